@@ -1,0 +1,38 @@
+"""expstore's experience store: ``connect(uri)`` returns the same interface embedded or remote.
+
+>>> import store
+>>> s = store.connect("./expstore.duckdb")            # doctest: +SKIP  (embedded, in-process)
+>>> s = store.connect("grpc://127.0.0.1:8815")        # doctest: +SKIP  (a running server)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .claims import Claim, ClaimRequest
+from .errors import *  # noqa: F401,F403 - the error hierarchy is part of the interface
+from .errors import ExpstoreError, InvalidArgument
+from .naming import SampleId, format_sample_id, parse_sample_id
+
+REMOTE_SCHEMES = ("grpc://", "grpc+tcp://", "grpc+tls://")
+
+
+def connect(uri: str, **options: Any):
+    """Open a store: a file path (embedded) or ``grpc://host:port`` / ``grpc+tls://…`` (remote).
+
+    Options go to :class:`store.embedded.EmbeddedStore` or
+    :class:`flight_server.client.RemoteStore` (e.g. ``token=…``, ``tls_root_certs=…``).
+    """
+    if not isinstance(uri, str) or not uri:
+        raise InvalidArgument(f"store uri {uri!r} is not a path or grpc:// address")
+    if uri.startswith(REMOTE_SCHEMES):
+        from flight_server.client import RemoteStore
+        return RemoteStore(uri, **options)
+    if "://" in uri:
+        raise InvalidArgument(f"store uri {uri!r} has an unknown scheme; expected a file path or "
+                              f"one of {', '.join(REMOTE_SCHEMES)}")
+    from .embedded import EmbeddedStore
+    return EmbeddedStore(uri, **options)
+
+
+__all__ = ["connect", "Claim", "ClaimRequest", "ExpstoreError", "SampleId", "format_sample_id",
+           "parse_sample_id"]

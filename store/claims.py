@@ -1,0 +1,105 @@
+"""What a claim asks for and what it returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from .errors import InvalidArgument
+from .naming import check_identifier
+from .sqlguard import check_predicate
+
+MAX_CLAIM_ROWS = 100_000
+GROUP_COLUMNS = ("input_id",)
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """Up to ``limit`` ready rows of ``table`` matching ``where``.
+
+    Args:
+        where: a boolean SQL expression over the table's columns (``"reward > 0"``), or a group
+            filter such as ``"input_id IN (SELECT input_id FROM t GROUP BY 1 HAVING
+            stddev(reward) > 0)"``.
+        group_by: ``"input_id"`` to deliver only complete groups of ``group_size`` rows that share
+            an input id and policy version, never splitting one.
+        min_rows: deliver nothing unless at least this many rows can be claimed.
+    """
+
+    table: str
+    limit: int
+    where: str | None = None
+    group_by: str | None = None
+    group_size: int | None = None
+    min_rows: int = 1
+
+    def validated(self) -> "ClaimRequest":
+        check_identifier(self.table, "table")
+        if not _is_int(self.limit) or not 1 <= self.limit <= MAX_CLAIM_ROWS:
+            raise InvalidArgument(f"claim limit {self.limit!r} is invalid; expected an integer "
+                                  f"in [1, {MAX_CLAIM_ROWS}]")
+        if not _is_int(self.min_rows) or not 1 <= self.min_rows <= self.limit:
+            raise InvalidArgument(f"min_rows {self.min_rows!r} is invalid; expected an integer "
+                                  f"in [1, limit={self.limit}]")
+        if self.group_by is not None or self.group_size is not None:
+            if self.group_by not in GROUP_COLUMNS:
+                raise InvalidArgument(f"group_by {self.group_by!r} is not supported; expected "
+                                      f"one of {GROUP_COLUMNS}")
+            if not _is_int(self.group_size) or not 1 <= self.group_size <= self.limit:
+                raise InvalidArgument(f"group_size {self.group_size!r} is invalid; expected an "
+                                      f"integer in [1, limit={self.limit}]")
+        if self.where is not None:
+            check_predicate(self.where)
+        return self
+
+    @classmethod
+    def from_json(cls, d: Any) -> "ClaimRequest":
+        if not isinstance(d, dict):
+            raise InvalidArgument(f"claim request {d!r} is not a JSON object")
+        allowed = {"table", "limit", "where", "group_by", "group_size", "min_rows"}
+        extra = set(d) - allowed
+        if extra:
+            raise InvalidArgument(f"claim request has unknown fields {sorted(extra)}; expected "
+                                  f"{sorted(allowed)}")
+        if "table" not in d or "limit" not in d:
+            raise InvalidArgument("claim request needs 'table' and 'limit'")
+        return cls(d["table"], d["limit"], d.get("where"), d.get("group_by"),
+                   d.get("group_size"), d.get("min_rows", 1)).validated()
+
+
+@dataclass
+class Claim:
+    """Rows leased to one consumer until ``expires_at`` (seconds since the epoch).
+
+    ``tables`` maps each table to its claimed rows (meta, data with references resolved, status
+    columns); ``data`` is the first table's rows, for the common one-table claim. An empty claim
+    (nothing ready) has ``claim_id == ""`` and holds no lease.
+    """
+
+    claim_id: str
+    consumer: str
+    expires_at: float
+    tables: dict[str, pa.Table] = field(default_factory=dict)
+
+    @property
+    def table(self) -> str:
+        return next(iter(self.tables), "")
+
+    @property
+    def data(self) -> pa.Table:
+        return next(iter(self.tables.values())) if self.tables else pa.table({})
+
+    @property
+    def num_rows(self) -> int:
+        return sum(t.num_rows for t in self.tables.values())
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __bool__(self) -> bool:
+        return self.num_rows > 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,705 @@
+"""The embedded experience store: one DuckDB file plus a blob directory, in-process.
+
+>>> import store, tempfile, os
+>>> s = store.connect(os.path.join(tempfile.mkdtemp(), "x.duckdb"))
+>>> _ = s.create_table("solver", {"response": "string", "reward": "float64"})
+>>> s.put("solver", [{"sample_id": "q1_0_0", "response": "4", "reward": 1.0}])["rows"]
+1
+>>> c = s.claim("solver", 16)
+>>> c.data.column("reward").to_pylist()
+[1.0]
+>>> s.ack(c.claim_id)["acked"]
+1
+>>> s.close()
+"""
+from __future__ import annotations
+
+import datetime as dt
+import heapq
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any, Mapping
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+
+from .blobs import BlobStore
+from .claims import Claim, ClaimRequest
+from .errors import AlreadyExists, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
+    QueryRefused, QueryTimeout, StorageError
+from .live import LEASED, Lease, LiveTable, Row
+from .naming import check_identifier, quote
+from .opening import connect_duckdb, ensure_catalog
+from .prepare import prepare_put
+from .recovery import load_state
+from .schema import CLAIM_META, TableDef
+from .sqlguard import check_select
+from .writer import BumpOp, CallOp, PutOp, SettleOp, Writer
+
+log = logging.getLogger("expstore.store")
+
+RECENT_CLAIMS = 100_000
+
+
+class EmbeddedStore:
+    """The experience store on a local DuckDB file (see the module docstring for an example).
+
+    Args:
+        path: the DuckDB file; created with a fresh catalog if missing.
+        blob_dir: where by-reference values go (default ``<path>.blobs``).
+        blob_filesystem: a ``pyarrow.fs.FileSystem`` for the blob store (S3, …); default local.
+        ref_threshold: complex values larger than this many bytes go by reference in ``auto``
+            columns.
+        memory_limit: DuckDB's memory limit, e.g. ``"4GB"``.
+        query_timeout: seconds before an ad-hoc query is cancelled.
+        max_concurrent_queries: ad-hoc queries running at once; more wait their turn, so that
+            people's SQL cannot starve the writer of CPU.
+    """
+
+    def __init__(self, path: str, *, blob_dir: str | None = None,
+                 blob_filesystem: pafs.FileSystem | None = None, ref_threshold: int = 512,
+                 memory_limit: str | None = None, query_timeout: float = 30.0,
+                 max_concurrent_queries: int = 2) -> None:
+        self.path = path
+        self.ref_threshold = ref_threshold
+        self.query_timeout = query_timeout
+        ensure_catalog(path)
+        self._con = connect_duckdb(path, memory_limit)
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._change_seq = 0
+        self._claims: dict[str, Lease] = {}
+        self._settling: dict[str, Any] = {}
+        self._expiry: list[tuple[float, str]] = []
+        self._row_updates: dict[str, dict[int, tuple]] = {}
+        self._recent_acked: OrderedDict[str, int] = OrderedDict()
+        self._recent_expired: OrderedDict[str, str] = OrderedDict()
+        self._query_slots = threading.BoundedSemaphore(max_concurrent_queries)
+        self._readers = threading.local()
+        self._reader_root = self._con.cursor()
+        self._reader_lock = threading.Lock()
+        try:
+            self.blobs = BlobStore(blob_dir or f"{path}.blobs", blob_filesystem)
+            state = load_state(self._con)
+        except BaseException:
+            self._con.close()
+            raise
+        self._live: dict[str, LiveTable] = state.live
+        self._versions: dict[str, int] = state.versions
+        self._weights: dict[str, str | None] = state.weights
+        self._terminal_possible: set[str] = state.terminal_possible
+        for lease in state.leases:
+            self._claims[lease.claim_id] = lease
+            heapq.heappush(self._expiry, (lease.expires_at, lease.claim_id))
+        self._closed = False
+        self._writer = Writer(self, self._con)
+
+    # -- tables --------------------------------------------------------------------------------
+    def create_table(self, name: str, columns: Mapping[str, Any], *, if_not_exists: bool = False,
+                     max_staleness: int = 0, version_group: str | None = None,
+                     max_deliveries: int = 5, lease_seconds: float = 60.0,
+                     storage: Mapping[str, str] | None = None,
+                     required: list[str] | None = None) -> dict[str, Any]:
+        """Create an experience table; returns its description.
+
+        Raises:
+            AlreadyExists: the table exists and ``if_not_exists`` is false.
+            InvalidArgument: a bad name, type, storage mode or setting.
+        """
+        tdef = TableDef.build(name, columns, version_group=version_group,
+                              max_staleness=max_staleness, max_deliveries=max_deliveries,
+                              lease_seconds=lease_seconds, storage=storage, required=required)
+
+        def run(con: duckdb.DuckDBPyConnection) -> bool:
+            if name in self._live:
+                if if_not_exists:
+                    return False
+                raise AlreadyExists(f"table {name!r} already exists; pass if_not_exists=True to "
+                                    "accept an existing table")
+            con.execute(tdef.ddl())
+            con.execute("INSERT INTO _expstore_tables (name, definition, version_group) "
+                        "VALUES (?, ?, ?)", [name, tdef.to_json(), tdef.version_group])
+            if tdef.version_group not in self._versions:
+                con.execute("INSERT INTO _expstore_groups (name, version) VALUES (?, 0)",
+                            [tdef.version_group])
+                con.execute("INSERT INTO _expstore_versions (version_group, version) "
+                            "VALUES (?, 0)", [tdef.version_group])
+            return True
+
+        def apply(created: bool) -> None:
+            if created:
+                self._live[name] = LiveTable(tdef)
+                self._versions.setdefault(tdef.version_group, 0)
+                self._weights.setdefault(tdef.version_group, None)
+
+        self._writer.call(CallOp(run, apply))
+        return self.describe(name)
+
+    def drop_table(self, name: str, *, if_exists: bool = False) -> bool:
+        """Drop a table and its rows; leases on it end. Blobs go at the next :meth:`gc`."""
+        check_identifier(name, "table")
+
+        def run(con: duckdb.DuckDBPyConnection) -> bool:
+            live = self._live.get(name)
+            if live is None:
+                if if_exists:
+                    return False
+                raise self._no_table(name)
+            con.execute(f"DROP TABLE {quote(name)}")
+            con.execute("DELETE FROM _expstore_tables WHERE name = ?", [name])
+            group = live.tdef.version_group
+            if not any(t.tdef.version_group == group for n, t in self._live.items() if n != name):
+                con.execute("DELETE FROM _expstore_groups WHERE name = ?", [group])
+                con.execute("DELETE FROM _expstore_versions WHERE version_group = ?", [group])
+            return True
+
+        def apply(dropped: bool) -> None:
+            if not dropped:
+                return
+            live = self._live.pop(name)
+            group = live.tdef.version_group
+            if not any(t.tdef.version_group == group for t in self._live.values()):
+                self._versions.pop(group, None)
+                self._weights.pop(group, None)
+            for cid, lease in list(self._claims.items()):
+                lease.rows = [(t, r) for t, r in lease.rows if t is not live]
+                if not lease.rows:
+                    del self._claims[cid]
+            self._row_updates.pop(name, None)
+
+        return bool(self._writer.call(CallOp(run, apply)))
+
+    def list_tables(self) -> list[str]:
+        with self._lock:
+            return sorted(self._live)
+
+    def describe(self, name: str) -> dict[str, Any]:
+        """A table's definition, current version and published weights."""
+        live = self._live_table(name)
+        d = live.tdef.describe()
+        d["version"] = self._versions[live.tdef.version_group]
+        d["weights_uri"] = self._weights.get(live.tdef.version_group)
+        return d
+
+    def schema(self, name: str) -> pa.Schema:
+        """The Arrow schema of a table's rows as claims and reads return them."""
+        return self._live_table(name).tdef.arrow_schema()
+
+    def write_schema(self, name: str) -> pa.Schema:
+        """The Arrow schema a producer may write (any subset of it, with ``sample_id``)."""
+        return self._live_table(name).tdef.write_schema()
+
+    # -- writes --------------------------------------------------------------------------------
+    def put(self, table: str, data: Any, *, timeout: float | None = None) -> dict[str, Any]:
+        """Upsert samples; returns once they are durable.
+
+        ``data`` is a ``pyarrow.Table`` / ``RecordBatch``, a dict of columns or a list of row
+        dicts, with ``sample_id`` and any subset of the data and status columns (and optionally
+        ``policy_version``, default the current version). A written column's status becomes
+        true unless the write gives the status itself; a null value leaves that column as it was.
+
+        Raises:
+            SchemaMismatch, InvalidArgument: bad columns, types or sample ids.
+            StaleVersion: a policy version outside the staleness bound or in the future.
+        """
+        live = self._live_table(table)
+        prepared = prepare_put(live.tdef, data, self._versions[live.tdef.version_group],
+                               self.ref_threshold)
+        return self._writer.call(PutOp(prepared), timeout)
+
+    # -- claims --------------------------------------------------------------------------------
+    def claim(self, table: str, limit: int, *, where: str | None = None,
+              group_by: str | None = None, group_size: int | None = None,
+              consumer: str | None = None, lease_seconds: float | None = None,
+              min_rows: int = 1) -> Claim:
+        """Lease up to ``limit`` ready rows (see :class:`ClaimRequest`)."""
+        request = ClaimRequest(table, limit, where, group_by, group_size, min_rows)
+        return self.claim_many([request], consumer=consumer, lease_seconds=lease_seconds)
+
+    def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
+                   lease_seconds: float | None = None) -> Claim:
+        """Lease rows from several tables in one atomic step, under one claim id.
+
+        Either every request gets at least its ``min_rows`` or nothing is leased.
+        """
+        if not requests:
+            raise InvalidArgument("claim_many needs at least one claim request")
+        requests = [r.validated() for r in requests]
+        if len({r.table for r in requests}) != len(requests):
+            raise InvalidArgument("claim_many names a table twice; give one request per table")
+        if lease_seconds is not None and (not isinstance(lease_seconds, (int, float))
+                                          or not 0 < lease_seconds <= 86400):
+            raise InvalidArgument(f"lease_seconds {lease_seconds!r} is invalid; expected a "
+                                  "number of seconds in (0, 86400]")
+        owner = str(consumer) if consumer else "anonymous"
+        lives = [self._live_table(r.table) for r in requests]
+        accepted: list[set[int] | None] = []
+        for req, live in zip(requests, lives):
+            if req.where is None:
+                accepted.append(None)
+                continue
+            with self._lock:
+                candidates = [r.row_id for r in live.ready_rows(max(live.ready_count, 1))]
+            accepted.append(self._matching(req.table, req.where, candidates))
+        with self._lock:
+            picks: list[list[Row]] = []
+            for req, live, ok in zip(requests, lives, accepted):
+                if self._live.get(req.table) is not live:
+                    raise self._no_table(req.table)
+                rows = live.select(req.limit, req.group_size,
+                                   None if ok is None else (lambda r, ok=ok: r.row_id in ok))
+                if len(rows) < req.min_rows:
+                    return Claim("", owner, 0.0, {})
+                picks.append(rows)
+            seconds = lease_seconds or max(live.tdef.lease_seconds for live in lives)
+            lease = Lease(uuid.uuid4().hex, owner, time.time() + seconds, [])
+            expires = dt.datetime.fromtimestamp(lease.expires_at, dt.timezone.utc)
+            for live, rows in zip(lives, picks):
+                pending = self._row_updates.setdefault(live.tdef.name, {})
+                for row in rows:
+                    live.lease_row(row, lease)
+                    lease.rows.append((live, row))
+                    pending[row.row_id] = (row.row_id, True, lease.claim_id, owner, expires,
+                                           row.deliveries, False, False)
+            self._claims[lease.claim_id] = lease
+            heapq.heappush(self._expiry, (lease.expires_at, lease.claim_id))
+        self._writer.poke()
+        try:
+            tables = {live.tdef.name: self._fetch(live, rows) for live, rows in zip(lives, picks)}
+        except BaseException:
+            self._release_unread(lease)
+            raise
+        return Claim(lease.claim_id, owner, lease.expires_at, tables)
+
+    def _release_unread(self, lease: Lease) -> None:
+        """Give back rows whose data could not be read, without counting a delivery."""
+        with self._lock:
+            if self._claims.pop(lease.claim_id, None) is None:
+                return
+            for live, row in lease.rows:
+                row.deliveries -= 1
+                self._release_row(live, row)
+                self._row_updates.setdefault(live.tdef.name, {})[row.row_id] = (
+                    row.row_id, False, None, None, None, row.deliveries, False, False)
+            self._notify()
+        self._writer.poke()
+
+    def _matching(self, table: str, where: str, row_ids: list[int]) -> set[int]:
+        """Which candidate rows satisfy a claim predicate (evaluated in DuckDB)."""
+        if not row_ids:
+            return set()
+        sql = (f"SELECT row_id FROM {quote(table)} WHERE row_id IN "
+               f"(SELECT unnest(?::BIGINT[])) AND ({where})")
+        try:
+            rows = self._run_read(sql, [row_ids], self.query_timeout)
+        except QueryRefused as e:
+            raise QueryRefused(f"claim predicate {where!r} failed: {e}") from e
+        return set(rows.column(0).to_pylist())
+
+    def _fetch(self, live: LiveTable, rows: list[Row]) -> pa.Table:
+        tdef = live.tdef
+        cols = list(CLAIM_META)
+        for c in tdef.columns:
+            cols.append(c.name)
+            if c.ref:
+                cols.append(c.ref)
+        cols += tdef.status_columns
+        sql = (f"SELECT {', '.join(map(quote, cols))} FROM {quote(tdef.name)} "
+               "WHERE row_id IN (SELECT unnest(?::BIGINT[])) "
+               "ORDER BY policy_version, input_id, turn, trajectory_id")
+        table = self._reader().sql(sql, params=[[r.row_id for r in rows]]).to_arrow_table()
+        return self._resolve_refs(table, tdef)
+
+    def _resolve_refs(self, table: pa.Table, tdef: TableDef | None = None) -> pa.Table:
+        """Replace ``X`` + ``X__ref`` column pairs by ``X`` with the blob values filled in."""
+        for name in list(table.column_names):
+            if not name.endswith("__ref"):
+                continue
+            base = name[: -len("__ref")]
+            if base not in table.column_names:
+                continue
+            inline = table.column(base).combine_chunks()
+            keys = table.column(name).to_pylist()
+            if any(k is not None for k in keys):
+                resolved = self.blobs.resolve(keys, inline.type)
+                inline = pc.if_else(pc.is_valid(pa.array(keys, pa.string())), resolved, inline)
+            table = table.set_column(table.schema.get_field_index(base), base, inline)
+            table = table.drop_columns([name])
+        return table
+
+    def ack(self, claim_id: str) -> dict[str, Any]:
+        """Mark a claim's rows consumed; durable on return; acking twice is harmless.
+
+        Raises:
+            LeaseExpired: the lease ended (expired, nacked or revoked) before this ack.
+            NotFound: the claim id was never issued.
+        """
+        return self._settle(claim_id, ack=True)
+
+    def nack(self, claim_id: str) -> dict[str, Any]:
+        """Give a claim's rows back: ready again (delivery count kept), or dead past the max."""
+        return self._settle(claim_id, ack=False)
+
+    def _settle(self, claim_id: str, ack: bool) -> dict[str, Any]:
+        if not isinstance(claim_id, str) or not claim_id:
+            raise InvalidArgument(f"claim id {claim_id!r} is not a non-empty string")
+        with self._lock:
+            lease = self._claims.get(claim_id)
+            if lease is not None and lease.state == Lease.ACTIVE and lease.expires_at <= time.time():
+                self._expire(lease)
+                lease = None
+            if lease is None:
+                if claim_id in self._recent_acked:
+                    if ack:
+                        return {"claim_id": claim_id, "acked": self._recent_acked[claim_id],
+                                "duplicate": True}
+                    raise LeaseExpired(f"claim {claim_id!r} was already acked; it cannot be "
+                                       "nacked")
+                if claim_id in self._recent_expired:
+                    raise LeaseExpired(f"claim {claim_id!r} ended before this "
+                                       f"{'ack' if ack else 'nack'}: "
+                                       f"{self._recent_expired[claim_id]}; its rows were or "
+                                       "will be delivered again")
+            elif lease.state == Lease.SETTLING:
+                future = self._settling[claim_id]
+            else:
+                lease.state = Lease.SETTLING
+                future = self._writer.submit(SettleOp(lease, ack))
+                self._settling[claim_id] = future
+        if lease is None:
+            if ack and self._acked_before(claim_id):
+                return {"claim_id": claim_id, "acked": self._acked_before(claim_id),
+                        "duplicate": True}
+            raise NotFound(f"claim {claim_id!r} is unknown: it was never issued, or its lease "
+                           "ended before a restart")
+        try:
+            return future.result()
+        except BaseException:
+            with self._lock:
+                if lease.state == Lease.SETTLING and self._claims.get(claim_id) is lease:
+                    lease.state = Lease.ACTIVE
+                self._settling.pop(claim_id, None)
+            raise
+
+    def _acked_before(self, claim_id: str) -> int:
+        """Rows a claim consumed before a restart (acks record the claim id on the rows)."""
+        total = 0
+        for name in self.list_tables():
+            row = self._reader().execute(
+                f"SELECT count(*) FROM {quote(name)} WHERE lease_id = ? AND consumed",
+                [claim_id]).fetchone()
+            total += int(row[0]) if row else 0
+        return total
+
+    # -- called by the writer (lock held unless said) ----------------------------------------------
+    def _settle_plan(self, lease: Lease, ack: bool) -> dict[str, list[tuple[Row, str]]]:
+        plan: dict[str, list[tuple[Row, str]]] = {}
+        for live, row in lease.rows:
+            if ack:
+                outcome = "consumed"
+            elif row.version < self._versions.get(live.tdef.version_group, 0) \
+                    - live.tdef.max_staleness:
+                outcome = "stale"
+            elif row.deliveries >= live.tdef.max_deliveries:
+                outcome = "dead"
+            else:
+                outcome = "ready"
+            plan.setdefault(live.tdef.name, []).append((row, outcome))
+        return plan
+
+    def _settled(self, lease: Lease, plan: dict[str, list[tuple[Row, str]]], ack: bool) -> None:
+        self._claims.pop(lease.claim_id, None)
+        self._settling.pop(lease.claim_id, None)
+        for tname, rows in plan.items():
+            live = self._live.get(tname)
+            if live is None:
+                continue
+            if live.tdef.max_staleness >= 0:
+                self._terminal_possible.add(tname)
+            for row, outcome in rows:
+                if outcome == "ready":
+                    self._release_row(live, row)
+                else:
+                    live.forget(row)
+        if ack:
+            _remember(self._recent_acked, lease.claim_id, len(lease.rows))
+        else:
+            _remember(self._recent_expired, lease.claim_id, "it was nacked")
+
+    def _release_row(self, live: LiveTable, row: Row) -> None:
+        if row.state == LEASED:
+            live.leased_count -= 1
+            row.state = "pending"
+            row.lease = None
+        if live.is_complete(row):
+            live.make_ready(row)
+
+    def _expire(self, lease: Lease) -> None:
+        """End an expired lease (lock held): rows ready again, or dead/stale."""
+        plan = self._settle_plan(lease, ack=False)
+        for tname, rows in plan.items():
+            pending = self._row_updates.setdefault(tname, {})
+            for row, outcome in rows:
+                pending[row.row_id] = (row.row_id, False, None, None, None, row.deliveries,
+                                       outcome == "stale", outcome == "dead")
+        self._settled(lease, plan, ack=False)
+        self._recent_expired[lease.claim_id] = "its lease expired"
+        self._notify()
+
+    def _expire_leases(self) -> None:
+        now = time.time()
+        expired = False
+        with self._lock:
+            while self._expiry and self._expiry[0][0] <= now:
+                _, cid = heapq.heappop(self._expiry)
+                lease = self._claims.get(cid)
+                if lease is not None and lease.state == Lease.ACTIVE and lease.expires_at <= now:
+                    self._expire(lease)
+                    expired = True
+        if expired:
+            log.info("leases expired; their rows are ready again")
+
+    def _next_expiry_in(self) -> float | None:
+        with self._lock:
+            if not self._expiry:
+                return None
+            return max(0.0, self._expiry[0][0] - time.time())
+
+    def _has_pending_row_updates(self) -> bool:
+        with self._lock:
+            return any(self._row_updates.values())
+
+    def _take_row_updates(self) -> dict[str, list[tuple]]:
+        with self._lock:
+            updates = {t: list(rows.values()) for t, rows in self._row_updates.items() if rows}
+            self._row_updates = {}
+        return updates
+
+    def _may_have_terminal_rows(self, table: str) -> bool:
+        return table in self._terminal_possible
+
+    def _notify(self) -> None:
+        self._change_seq += 1
+        self._changed.notify_all()
+
+    # -- versions ---------------------------------------------------------------------------------
+    def get_version(self, table: str) -> int:
+        live = self._live_table(table)
+        return self._versions[live.tdef.version_group]
+
+    def bump_version(self, table: str, *, expected: int | None = None,
+                     weights_uri: str | None = None) -> int:
+        """Bump the version of the table's version group (compare-and-set on ``expected``).
+
+        Rows older than the new version minus ``max_staleness`` become stale. ``weights_uri``
+        records where the trainer published the new weights.
+
+        Raises:
+            VersionConflict: ``expected`` is not the current version.
+        """
+        live = self._live_table(table)
+        if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool)):
+            raise InvalidArgument(f"expected version {expected!r} is not an integer")
+        if weights_uri is not None and not isinstance(weights_uri, str):
+            raise InvalidArgument(f"weights_uri {weights_uri!r} is not a string")
+        return int(self._writer.call(BumpOp(live.tdef.version_group, expected, weights_uri)))
+
+    def wait_version(self, table: str, min_version: int, timeout: float | None = None) -> int:
+        """Block until the table's version is at least ``min_version``; return the version.
+
+        Returns the current version when ``timeout`` passes first.
+        """
+        live = self._live_table(table)
+        group = live.tdef.version_group
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while self._versions.get(group, -1) < min_version and not self._closed:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._changed.wait(remaining if remaining is not None else 1.0)
+            return self._versions.get(group, -1)
+
+    def weights_uri(self, table: str) -> str | None:
+        live = self._live_table(table)
+        return self._weights.get(live.tdef.version_group)
+
+    def wait_changed(self, since: int, timeout: float) -> int:
+        """Block until something changed after change number ``since`` (for subscriptions)."""
+        with self._changed:
+            if self._change_seq == since and not self._closed:
+                self._changed.wait(timeout)
+            return self._change_seq
+
+    @property
+    def change_seq(self) -> int:
+        return self._change_seq
+
+    # -- SQL ----------------------------------------------------------------------------------------
+    def query(self, sql: str, params: list[Any] | None = None, *,
+              timeout: float | None = None) -> pa.Table:
+        """Run one read-only SELECT over live data; by-reference values are resolved where the
+        result has both ``X`` and ``X__ref``.
+
+        Raises:
+            QueryRefused: not a single read-only SELECT, or the SQL is invalid.
+            QueryTimeout: it ran past ``timeout`` (default the store's ``query_timeout``).
+        """
+        check_select(sql)
+        if params is not None and not isinstance(params, (list, tuple)):
+            raise InvalidArgument(f"query parameters {params!r} are not a list")
+        limit = self.query_timeout if timeout is None else timeout
+        if not self._query_slots.acquire(timeout=limit):
+            raise QueryTimeout(f"no query slot became free within {limit} s; too many "
+                               "concurrent queries")
+        try:
+            return self._resolve_refs(self._run_read(sql, list(params or []), limit))
+        finally:
+            self._query_slots.release()
+
+    def _run_read(self, sql: str, params: list[Any], timeout: float) -> pa.Table:
+        cursor = self._reader()
+        timer = threading.Timer(timeout, cursor.interrupt)
+        timer.daemon = True
+        timer.start()
+        try:
+            return cursor.sql(sql, params=params).to_arrow_table()
+        except duckdb.InterruptException as e:
+            raise QueryTimeout(f"query ran past its {timeout} s limit and was cancelled") from e
+        except duckdb.PermissionException as e:
+            raise QueryRefused(f"query refused: {e}") from e
+        except (duckdb.ParserException, duckdb.BinderException, duckdb.CatalogException,
+                duckdb.ConversionException, duckdb.InvalidInputException) as e:
+            raise QueryRefused(f"query failed: {e}") from e
+        except duckdb.Error as e:
+            raise QueryRefused(f"query failed: {e}") from e
+        finally:
+            timer.cancel()
+
+    def _reader(self) -> duckdb.DuckDBPyConnection:
+        cursor = getattr(self._readers, "cursor", None)
+        if cursor is None:
+            with self._reader_lock:
+                cursor = self._reader_root.cursor()
+            self._readers.cursor = cursor
+        return cursor
+
+    # -- stats ------------------------------------------------------------------------------------
+    def stats(self, table: str | None = None) -> dict[str, Any]:
+        """Rows by state (pending, ready, processing, consumed, stale, dead), version, rows per
+        version, for one table or all."""
+        names = [table] if table is not None else self.list_tables()
+        out: dict[str, Any] = {}
+        for name in names:
+            live = self._live_table(name)
+            row = self._reader().execute(
+                f"SELECT count(*), count(*) FILTER (WHERE consumed), "
+                f"count(*) FILTER (WHERE stale AND NOT consumed), "
+                f"count(*) FILTER (WHERE dead AND NOT consumed AND NOT stale) "
+                f"FROM {quote(name)}").fetchone()
+            per_version = self._reader().execute(
+                f"SELECT policy_version, count(*) FROM {quote(name)} GROUP BY 1 ORDER BY 1"
+            ).fetchall()
+            with self._lock:
+                ready, processing = live.ready_count, live.leased_count
+                live_rows = len(live.rows)
+                version = self._versions[live.tdef.version_group]
+            total, consumed, stale, dead = (int(v) for v in row) if row else (0, 0, 0, 0)
+            out[name] = {
+                "version": version, "version_group": live.tdef.version_group,
+                "rows": total, "pending": live_rows - ready - processing, "ready": ready,
+                "processing": processing, "consumed": consumed, "stale": stale, "dead": dead,
+                "rows_per_version": {int(v): int(c) for v, c in per_version},
+            }
+        return out
+
+    def leases(self, table: str | None = None) -> list[dict[str, Any]]:
+        """The claims currently leased: id, owner, expiry, rows per table."""
+        with self._lock:
+            out = []
+            for lease in self._claims.values():
+                tables: dict[str, int] = {}
+                for live, _ in lease.rows:
+                    tables[live.tdef.name] = tables.get(live.tdef.name, 0) + 1
+                if table is not None and table not in tables:
+                    continue
+                out.append({"claim_id": lease.claim_id, "consumer": lease.owner,
+                            "expires_at": lease.expires_at, "state": lease.state,
+                            "rows": tables})
+            return sorted(out, key=lambda d: d["expires_at"])
+
+    # -- maintenance ------------------------------------------------------------------------------
+    def gc(self) -> dict[str, int]:
+        """Delete blob segments no row references."""
+        def run(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+            live_segments: set[int] = set()
+            for live in self._live.values():
+                for c in live.tdef.columns:
+                    if c.ref:
+                        rows = con.execute(
+                            f"SELECT DISTINCT CAST(split_part({quote(c.ref)}, ':', 1) AS BIGINT) "
+                            f"FROM {quote(live.tdef.name)} WHERE {quote(c.ref)} IS NOT NULL"
+                        ).fetchall()
+                        live_segments.update(int(r[0]) for r in rows)
+            return self.blobs.collect(live_segments)
+        return self._writer.call(CallOp(run))
+
+    def checkpoint(self) -> None:
+        """Fold the WAL into the database file now."""
+        self._writer.call(CallOp(lambda con: None))
+        self._writer.call(CallOp(lambda con: con.execute("CHECKPOINT")))
+
+    def subscribe(self, table: str, micro_batch_size: int, global_batch_size: int, **kwargs: Any):
+        """A micro-batch subscription; see :class:`store.subscription.Subscription`."""
+        from .subscription import Subscription
+        return Subscription(self, table, micro_batch_size, global_batch_size, **kwargs)
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok" if not self._closed else "closed", "tables": len(self._live),
+                "commits": self._writer.commits}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._changed:
+            self._changed.notify_all()
+        self._writer.close()
+        try:
+            self._con.execute("CHECKPOINT")
+        except duckdb.Error:
+            pass
+        self._con.close()
+
+    def __enter__(self) -> "EmbeddedStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _live_table(self, name: str) -> LiveTable:
+        live = self._live.get(name) if isinstance(name, str) else None
+        if live is None:
+            if isinstance(name, str):
+                check_identifier(name, "table")
+            raise self._no_table(name)
+        return live
+
+    def _no_table(self, name: object) -> NotFound:
+        return NotFound(f"table {name!r} does not exist; tables: {self.list_tables()}")
+
+
+def _remember(d: OrderedDict, key: str, value: Any) -> None:
+    d[key] = value
+    d.move_to_end(key)
+    while len(d) > RECENT_CLAIMS:
+        d.popitem(last=False)
+
+
+__all__ = ["EmbeddedStore", "ExpstoreError", "StorageError"]

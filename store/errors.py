@@ -1,0 +1,116 @@
+"""The store's error hierarchy.
+
+Every error a caller can act on is a subclass of :class:`ExpstoreError`. The Flight server
+translates each class to one Flight error type at exactly one boundary
+(``flight_server/errors.py``), and the remote client translates it back, so code written against
+the embedded store catches the same classes against a server.
+"""
+from __future__ import annotations
+
+
+class ExpstoreError(Exception):
+    """Base class of all expstore errors."""
+
+    #: A stable machine-readable name, sent over the wire so clients can rebuild the class.
+    code = "internal"
+
+
+class InvalidArgument(ExpstoreError):
+    """A value the caller passed is malformed: a name, a type, a sample id, a limit."""
+
+    code = "invalid_argument"
+
+
+class SchemaMismatch(InvalidArgument):
+    """A batch's columns or types do not match the table's definition."""
+
+    code = "schema_mismatch"
+
+
+class NotFound(ExpstoreError):
+    """A table, claim or version group does not exist."""
+
+    code = "not_found"
+
+
+class AlreadyExists(ExpstoreError):
+    """A table is created twice without ``if_not_exists``."""
+
+    code = "already_exists"
+
+
+class VersionConflict(ExpstoreError):
+    """A compare-and-set version bump lost: the version was not the expected one."""
+
+    code = "version_conflict"
+
+
+class StaleVersion(ExpstoreError):
+    """A write names a policy version outside the table's staleness bound, or in the future."""
+
+    code = "stale_version"
+
+
+class LeaseExpired(ExpstoreError):
+    """An ack or nack arrived for a claim whose lease has expired or been revoked."""
+
+    code = "lease_expired"
+
+
+class QueryRefused(ExpstoreError):
+    """SQL through the query path that is not a single read-only SELECT."""
+
+    code = "query_refused"
+
+
+class QueryTimeout(ExpstoreError):
+    """A query ran past its time limit and was cancelled."""
+
+    code = "query_timeout"
+
+
+class CatalogOutdated(ExpstoreError):
+    """The database's catalog is older (or newer) than this version of expstore."""
+
+    code = "catalog_outdated"
+
+
+class StoreClosed(ExpstoreError):
+    """The store was closed, or its writer stopped after a fatal error."""
+
+    code = "store_closed"
+
+
+class StorageError(ExpstoreError):
+    """The disk or blob store failed: disk full, read-only directory, a missing or corrupt blob."""
+
+    code = "storage_error"
+
+
+class Unauthenticated(ExpstoreError):
+    """No valid token was presented."""
+
+    code = "unauthenticated"
+
+
+class PermissionDenied(ExpstoreError):
+    """The token's role may not perform this operation."""
+
+    code = "permission_denied"
+
+
+class Unavailable(ExpstoreError):
+    """The server cannot be reached or is shutting down; retrying later may succeed."""
+
+    code = "unavailable"
+
+
+ERROR_CLASSES: dict[str, type[ExpstoreError]] = {
+    cls.code: cls
+    for cls in (
+        ExpstoreError, InvalidArgument, SchemaMismatch, NotFound, AlreadyExists,
+        VersionConflict, StaleVersion, LeaseExpired, QueryRefused, QueryTimeout,
+        CatalogOutdated, StoreClosed, StorageError, Unauthenticated, PermissionDenied,
+        Unavailable,
+    )
+}

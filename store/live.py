@@ -1,0 +1,206 @@
+"""The in-memory index of live rows, which serves claims without touching DuckDB.
+
+Why: a DuckDB ``UPDATE … RETURNING`` claim takes ~4 ms and two threads claiming at once conflict.
+A lease is soft state (a server restart voids it), so claims are served from memory: the writer
+keeps, for every *live* row (not consumed, stale or dead), its status bits and state, and an ordered
+index of ready rows. DuckDB stays the durable record; this index is rebuilt from it on open.
+
+Ready rows are kept per *group* ``(policy_version, input_id)`` with a heap of group keys, so one
+structure gives both the deterministic row order (version, input id, turn, trajectory) and whole
+groups for GRPO-style group claims.
+
+All methods here are called with the store's index lock held.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Callable, Iterator
+
+from .schema import TableDef
+
+PENDING, READY, LEASED = "pending", "ready", "processing"
+
+Key = tuple[str, int]          # (sample_id, policy_version)
+GroupKey = tuple[int, str]     # (policy_version, input_id)
+
+
+class Row:
+    """One live row's bookkeeping (its data stays in DuckDB and the blob store)."""
+
+    __slots__ = ("row_id", "sample_id", "version", "input_id", "turn", "trajectory_id", "mask",
+                 "state", "lease", "deliveries")
+
+    def __init__(self, row_id: int, sample_id: str, version: int, input_id: str, turn: int,
+                 trajectory_id: int, mask: int = 0, deliveries: int = 0) -> None:
+        self.row_id = row_id
+        self.sample_id = sample_id
+        self.version = version
+        self.input_id = input_id
+        self.turn = turn
+        self.trajectory_id = trajectory_id
+        self.mask = mask
+        self.state = PENDING
+        self.lease: Lease | None = None
+        self.deliveries = deliveries
+
+    @property
+    def key(self) -> Key:
+        return (self.sample_id, self.version)
+
+    @property
+    def group_key(self) -> GroupKey:
+        return (self.version, self.input_id)
+
+    def order(self) -> tuple[int, int]:
+        return (self.turn, self.trajectory_id)
+
+
+class Lease:
+    """The rows of one claim, possibly from several tables, held until ack, nack or expiry."""
+
+    ACTIVE, SETTLING = "active", "settling"
+
+    __slots__ = ("claim_id", "owner", "expires_at", "rows", "state")
+
+    def __init__(self, claim_id: str, owner: str, expires_at: float,
+                 rows: list[tuple["LiveTable", Row]]) -> None:
+        self.claim_id = claim_id
+        self.owner = owner
+        self.expires_at = expires_at
+        self.rows = rows
+        self.state = Lease.ACTIVE
+
+
+class _Group:
+    __slots__ = ("key", "ready", "in_heap")
+
+    def __init__(self, key: GroupKey) -> None:
+        self.key = key
+        self.ready: dict[Key, Row] = {}
+        self.in_heap = False
+
+
+class LiveTable:
+    """Live rows of one experience table."""
+
+    def __init__(self, tdef: TableDef, next_row_id: int = 0) -> None:
+        self.tdef = tdef
+        self.rows: dict[Key, Row] = {}
+        self.next_row_id = next_row_id
+        self._groups: dict[GroupKey, _Group] = {}
+        self._heap: list[GroupKey] = []
+        self.ready_count = 0
+        self.leased_count = 0
+
+    @property
+    def required_mask(self) -> int:
+        return self.tdef.required_mask
+
+    # -- state transitions ---------------------------------------------------------------------
+    def is_complete(self, row: Row) -> bool:
+        req = self.required_mask
+        return row.mask & req == req
+
+    def make_ready(self, row: Row) -> None:
+        if row.state == READY:
+            return
+        if row.state == LEASED:
+            self.leased_count -= 1
+        row.state = READY
+        row.lease = None
+        gk = row.group_key
+        group = self._groups.get(gk)
+        if group is None:
+            group = self._groups[gk] = _Group(gk)
+        group.ready[row.key] = row
+        self.ready_count += 1
+        if not group.in_heap:
+            heapq.heappush(self._heap, gk)
+            group.in_heap = True
+
+    def unready(self, row: Row) -> None:
+        """Take a ready row out of the ready index (it becomes pending)."""
+        if row.state != READY:
+            return
+        group = self._groups.get(row.group_key)
+        if group is not None:
+            group.ready.pop(row.key, None)
+            if not group.ready and not group.in_heap:
+                del self._groups[group.key]
+        self.ready_count -= 1
+        row.state = PENDING
+
+    def lease_row(self, row: Row, lease: Lease) -> None:
+        self.unready(row)
+        row.state = LEASED
+        row.lease = lease
+        row.deliveries += 1
+        self.leased_count += 1
+
+    def forget(self, row: Row) -> None:
+        """Drop a row that reached a terminal state (consumed, stale, dead)."""
+        if row.state == READY:
+            self.unready(row)
+        elif row.state == LEASED:
+            self.leased_count -= 1
+        row.state = PENDING
+        row.lease = None
+        self.rows.pop(row.key, None)
+
+    # -- reading the ready index ----------------------------------------------------------------
+    def _iter_groups(self) -> Iterator[_Group]:
+        """Ready groups in order; the caller must call :meth:`_restore` with what it consumed."""
+        while self._heap:
+            gk = heapq.heappop(self._heap)
+            group = self._groups.get(gk)
+            if group is None:
+                continue
+            group.in_heap = False
+            if not group.ready:
+                del self._groups[gk]
+                continue
+            yield group
+
+    def _restore(self, groups: list[_Group]) -> None:
+        for group in groups:
+            if group.ready and not group.in_heap:
+                heapq.heappush(self._heap, group.key)
+                group.in_heap = True
+            elif not group.ready and not group.in_heap:
+                self._groups.pop(group.key, None)
+
+    def select(self, limit: int, group_size: int | None = None,
+               accept: Callable[[Row], bool] | None = None) -> list[Row]:
+        """Up to ``limit`` ready rows in order (whole groups of ``group_size`` if given).
+
+        Nothing is taken: the caller leases what it keeps.
+        """
+        chosen: list[Row] = []
+        seen: list[_Group] = []
+        try:
+            for group in self._iter_groups():
+                seen.append(group)
+                rows = sorted(group.ready.values(), key=Row.order)
+                if accept is not None:
+                    rows = [r for r in rows if accept(r)]
+                if group_size:
+                    while len(rows) >= group_size and len(chosen) + group_size <= limit:
+                        chosen.extend(rows[:group_size])
+                        rows = rows[group_size:]
+                    if len(chosen) + group_size > limit:
+                        break
+                else:
+                    chosen.extend(rows[: limit - len(chosen)])
+                    if len(chosen) >= limit:
+                        break
+        finally:
+            self._restore(seen)
+        return chosen
+
+    def ready_rows(self, limit: int) -> list[Row]:
+        """The first ``limit`` ready rows in order (candidates for a predicate)."""
+        return self.select(limit)
+
+    def stale_rows(self, bound: int) -> list[Row]:
+        """Live rows older than ``bound`` that are not under a lease."""
+        return [r for r in self.rows.values() if r.version < bound and r.state != LEASED]

@@ -1,0 +1,102 @@
+"""Opening a database file: catalog revision checks, fresh catalogs, clear errors."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import duckdb
+
+from .errors import CatalogOutdated, InvalidArgument, StorageError
+
+
+def duckdb_config(memory_limit: str | None) -> dict[str, Any]:
+    """The configuration every store connection uses.
+
+    External access stays off for the whole database so that no query can read files, attach
+    databases or load extensions, whatever the SQL guard lets through. DuckDB's automatic
+    checkpoint is pushed far out: the writer checkpoints when idle instead (see writer.py).
+    """
+    config: dict[str, Any] = {
+        "enable_external_access": False,
+        "autoinstall_known_extensions": False,
+        "autoload_known_extensions": False,
+        "allow_community_extensions": False,
+        "checkpoint_threshold": "512MB",
+    }
+    if memory_limit:
+        config["memory_limit"] = memory_limit
+    return config
+
+
+def connect_duckdb(path: str, memory_limit: str | None) -> duckdb.DuckDBPyConnection:
+    try:
+        return duckdb.connect(path, config=duckdb_config(memory_limit))
+    except duckdb.Error as e:
+        raise _open_error(path, e) from e
+
+
+def _open_error(path: str, e: Exception) -> Exception:
+    text = str(e)
+    if "lock" in text.lower():
+        return StorageError(
+            f"database {path!r} is in use by another process (only one process can write a "
+            f"DuckDB file; when a server owns it, connect to the server with --uri grpc://…): "
+            f"{text}")
+    if "version" in text.lower() and "storage" in text.lower():
+        return CatalogOutdated(f"database {path!r} was written by a newer DuckDB/expstore than "
+                               f"this one can read; upgrade expstore: {text}")
+    if isinstance(e, duckdb.IOException) or isinstance(e, OSError):
+        return StorageError(f"database {path!r} cannot be opened: {text}")
+    return StorageError(f"database {path!r} cannot be opened: {text}")
+
+
+def catalog_revision(path: str) -> str | None:
+    """The catalog's Alembic revision, or None for a database without a catalog."""
+    if not os.path.exists(path):
+        return None
+    try:
+        con = duckdb.connect(path, config=duckdb_config(None))
+    except duckdb.Error as e:
+        raise _open_error(path, e) from e
+    try:
+        has = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = "
+                          "'alembic_version'").fetchone()
+        if not has or not has[0]:
+            tables = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name LIKE "
+                                 "'\\_expstore%' ESCAPE '\\'").fetchone()
+            if tables and tables[0]:
+                raise CatalogOutdated(f"database {path!r} has expstore tables but no migration "
+                                      "stamp; run `expstore migrate` on it")
+            return None
+        row = con.execute("SELECT version_num FROM alembic_version").fetchone()
+        return row[0] if row else None
+    finally:
+        con.close()
+
+
+def ensure_catalog(path: str) -> None:
+    """Create the catalog of a new database; refuse one at another revision."""
+    if path == ":memory:" or not path:
+        raise InvalidArgument(f"database path {path!r} is not a file path; the store needs a file "
+                              "(e.g. ./expstore.duckdb)")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise StorageError(f"directory {directory!r} of database {path!r} does not exist")
+    import migrations  # local: alembic is only needed when opening
+
+    revision = catalog_revision(path)
+    head = migrations.head()
+    if revision is None:
+        try:
+            migrations.upgrade(path)
+        except Exception as e:  # noqa: BLE001 - alembic raises many kinds
+            raise StorageError(f"cannot create the catalog of {path!r}: {e}") from e
+        return
+    if revision == head:
+        return
+    if revision in migrations.known_revisions():
+        raise CatalogOutdated(f"the catalog of {path!r} is at revision {revision!r}, older than "
+                              f"this expstore's {head!r}; run `expstore migrate --db {path}`")
+    raise CatalogOutdated(f"the catalog of {path!r} is at revision {revision!r}, which this "
+                          f"expstore does not know (it knows up to {head!r}); the database was "
+                          "written by a newer expstore: upgrade expstore")

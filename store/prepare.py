@@ -1,0 +1,251 @@
+"""Turning a producer's write into what the writer thread commits.
+
+Everything that can be checked without the writer happens here, on the caller's thread: column
+names and types, sample ids (parsed vectorised), duplicate ids in one batch, and the serialisation
+of large values into blob chunks. The writer then only appends chunks, assigns row ids and runs
+one INSERT and one UPDATE per group of puts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from . import tensors
+from .blobs import serialize_chunk
+from .errors import InvalidArgument, SchemaMismatch
+from .schema import META_NAMES, WRITABLE_META, TableDef
+from .types import is_complex, is_tensor, type_name
+
+SAMPLE_ID_PATTERN = r"^(?P<input_id>.+)_(?P<turn>[0-9]{1,9})_(?P<trajectory_id>[0-9]{1,9})$"
+MAX_SAMPLE_ID = 512
+
+
+@dataclass
+class PreparedPut:
+    """A validated write, ready for the writer.
+
+    ``physical`` has the meta columns, then for each written data column its inline value, its
+    ``__ref`` row index into the column's chunk (null when inline) and a ``__w`` written flag,
+    then the effective status of each status column (null: leave as is).
+    """
+
+    table: str
+    physical: pa.Table
+    keys: list[tuple[str, int]]
+    data_columns: list[str]
+    status_columns: list[str]
+    chunks: dict[str, bytes]
+    set_mask: np.ndarray
+    clear_mask: np.ndarray
+    versions_given: bool
+    nbytes: int = 0
+    row_ids: np.ndarray | None = field(default=None)
+
+    @property
+    def rows(self) -> int:
+        return self.physical.num_rows
+
+    def signature(self) -> tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        return (self.table, tuple(self.data_columns), tuple(self.status_columns),
+                tuple(self.chunks))
+
+
+def to_arrow_table(tdef: TableDef, data: Any) -> pa.Table:
+    """Accept a RecordBatch, Table, dict of columns or list of row dicts."""
+    if isinstance(data, pa.RecordBatch):
+        return pa.Table.from_batches([data])
+    if isinstance(data, pa.Table):
+        return data
+    if isinstance(data, Mapping):
+        data = _columns_to_arrays(tdef, data)
+        return pa.table(data)
+    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        if not all(isinstance(r, Mapping) for r in data):
+            raise InvalidArgument("rows must be mappings of column name to value")
+        names: list[str] = []
+        for r in data:
+            names.extend(k for k in r if k not in names)
+        cols = {n: [r.get(n) for r in data] for n in names}
+        return pa.table(_columns_to_arrays(tdef, cols))
+    raise InvalidArgument(f"cannot write {type(data).__name__}; expected a pyarrow Table or "
+                          "RecordBatch, a dict of columns or a list of row dicts")
+
+
+def _columns_to_arrays(tdef: TableDef, cols: Mapping[str, Any]) -> dict[str, pa.Array]:
+    out: dict[str, pa.Array] = {}
+    logical = {f.name: f.type for f in tdef.write_schema()}
+    for name, values in cols.items():
+        if isinstance(values, (pa.Array, pa.ChunkedArray)):
+            out[name] = values
+            continue
+        target = logical.get(name)
+        if target is None:
+            _unknown_column(tdef, name)
+        try:
+            if is_tensor(target):
+                out[name] = tensors.to_arrow(
+                    [None if v is None else np.asarray(v) for v in values],
+                    dtype=target.field(1).type.value_type.to_pandas_dtype())
+            else:
+                out[name] = pa.array(list(values), type=target)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
+            raise SchemaMismatch(f"values of column {name!r} do not fit its type "
+                                 f"{type_name(target)}: {e}") from e
+    return out
+
+
+def _unknown_column(tdef: TableDef, name: str) -> None:
+    if name in META_NAMES:
+        raise SchemaMismatch(f"column {name!r} is a meta column the store sets; a write may "
+                             f"carry only {sorted(WRITABLE_META)} of the meta columns")
+    raise SchemaMismatch(
+        f"table {tdef.name!r} has no column {name!r}; writable columns: sample_id, "
+        f"policy_version, finished_version, {[c.name for c in tdef.columns]} and their "
+        f"'_status' columns")
+
+
+def prepare_put(tdef: TableDef, data: Any, current_version: int,
+                ref_threshold: int) -> PreparedPut:
+    """Validate and convert one write (see :class:`PreparedPut`)."""
+    table = to_arrow_table(tdef, data)
+    names = table.column_names
+    if len(set(names)) != len(names):
+        raise SchemaMismatch(f"the batch repeats a column name: {names}")
+    if "sample_id" not in names:
+        raise SchemaMismatch(f"the batch has no 'sample_id' column; every write names its "
+                             f"samples. Columns given: {names}")
+    status_of = {c.status: c for c in tdef.columns}
+    for n in names:
+        if n not in WRITABLE_META and not tdef.has_column(n) and n not in status_of:
+            _unknown_column(tdef, n)
+    if table.num_rows == 0:
+        raise InvalidArgument("the batch has no rows")
+
+    sid = _as_type(table, "sample_id", pa.large_string())
+    if sid.null_count:
+        raise InvalidArgument("sample_id is null in some rows; every row needs one")
+    too_long = pc.any(pc.greater(pc.utf8_length(sid), MAX_SAMPLE_ID)).as_py()
+    parsed = pc.extract_regex(sid, SAMPLE_ID_PATTERN)
+    if parsed.null_count or too_long:
+        bad = next(s for s, p in zip(sid.to_pylist(), parsed.to_pylist())
+                   if p is None or len(s) > MAX_SAMPLE_ID)
+        raise InvalidArgument(
+            f"sample_id {bad[:80]!r} is malformed; expected '{{input_id}}_{{turn}}_"
+            f"{{trajectory_id}}' with a non-empty input id and non-negative integer turn and "
+            f"trajectory id (at most 9 digits each), at most {MAX_SAMPLE_ID} characters")
+    n = table.num_rows
+    if "policy_version" in names:
+        versions = _as_type(table, "policy_version", pa.int64())
+        if versions.null_count:
+            versions = pc.fill_null(versions, current_version)
+    else:
+        versions = pa.array(np.full(n, current_version, np.int64))
+    finished = (_as_type(table, "finished_version", pa.int64()) if "finished_version" in names
+                else pa.nulls(n, pa.int64()))
+
+    keys = list(zip(sid.to_pylist(), versions.to_pylist()))
+    if len(set(keys)) != n:
+        # Several writes of one sample in one batch: the last one wins, as if sent in order.
+        last: dict[tuple[str, int], int] = {}
+        for i, k in enumerate(keys):
+            last[k] = i
+        keep = pa.array(sorted(last.values()), pa.int64())
+        table = table.take(keep)
+        return prepare_put(tdef, table, current_version, ref_threshold)
+
+    columns: dict[str, pa.Array] = {
+        "sample_id": sid,
+        "input_id": parsed.field("input_id").cast(pa.large_string()),
+        "turn": parsed.field("turn").cast(pa.int32()),
+        "trajectory_id": parsed.field("trajectory_id").cast(pa.int32()),
+        "policy_version": versions,
+        "finished_version": finished,
+    }
+    data_columns = [c.name for c in tdef.columns if c.name in names]
+    status_columns = [c.status for c in tdef.columns if c.name in names or c.status in names]
+    chunks: dict[str, bytes] = {}
+    set_mask = np.zeros(n, np.int64)
+    clear_mask = np.zeros(n, np.int64)
+    nbytes = 0
+    for bit, col in enumerate(tdef.columns):
+        written = None
+        if col.name in names:
+            values = _as_type(table, col.name, col.type)
+            written = pc.is_valid(values)
+            nbytes += values.nbytes
+            inline, ref_index, chunk = _split(col.name, values, col.storage, ref_threshold)
+            columns[col.name] = inline
+            if col.ref:
+                columns[col.ref] = ref_index
+                if chunk is not None:
+                    chunks[col.name] = chunk
+            columns[f"{col.name}__w"] = written
+        if col.status in names or written is not None:
+            explicit = (_as_type(table, col.status, pa.bool_()) if col.status in names
+                        else pa.nulls(n, pa.bool_()))
+            implied = pc.if_else(written, True, None) if written is not None else explicit
+            effective = pc.coalesce(explicit, implied)
+            columns[col.status] = effective
+            eff = effective.to_numpy(zero_copy_only=False)
+            set_mask |= np.where(eff == True, 1 << bit, 0)  # noqa: E712 (object array)
+            clear_mask |= np.where(eff == False, 1 << bit, 0)  # noqa: E712
+    physical = pa.table(columns)
+    return PreparedPut(tdef.name, physical, keys, data_columns, status_columns, chunks,
+                       set_mask, clear_mask, "policy_version" in names, nbytes)
+
+
+def _as_type(table: pa.Table, name: str, target: pa.DataType) -> pa.Array:
+    col = table.column(name)
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if arr.type == target:
+        return arr
+    if pa.types.is_null(arr.type):
+        return pa.nulls(len(arr), target)
+    try:
+        return arr.cast(target, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+        raise SchemaMismatch(f"column {name!r} has type {arr.type}, which does not convert to "
+                             f"the expected {type_name(target)}: {e}") from e
+
+
+def _split(name: str, values: pa.Array, storage: str,
+           threshold: int) -> tuple[pa.Array, pa.Array, bytes | None]:
+    """Split a column into inline values and by-reference rows (index into one chunk)."""
+    n = len(values)
+    null_index = pa.nulls(n, pa.int64())
+    if storage == "value" or not is_complex(values.type):
+        return values, null_index, None
+    if storage == "ref":
+        big = pc.is_valid(values)
+    else:
+        big = pc.and_(pc.is_valid(values), pc.greater(_value_bytes(values), threshold))
+    big = pc.fill_null(big, False)
+    big_np = big.to_numpy(zero_copy_only=False).astype(bool)
+    count = int(big_np.sum())
+    if count == 0:
+        return values, null_index, None
+    positions = np.nonzero(big_np)[0]
+    chunk = serialize_chunk(values.take(pa.array(positions, pa.int64())))
+    index = np.full(n, -1, np.int64)
+    index[positions] = np.arange(count)
+    ref_index = pa.array(index, mask=index < 0)
+    inline = pc.if_else(big, pa.nulls(1, values.type)[0], values)
+    return inline, ref_index, chunk
+
+
+def _value_bytes(values: pa.Array) -> pa.Array:
+    t = values.type
+    if pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+        return pc.binary_length(values)
+    if is_tensor(t):
+        data = values.field("data")
+        return pc.multiply(pc.list_value_length(data), data.type.value_type.bit_width // 8)
+    try:
+        width = max(t.value_type.bit_width // 8, 1)
+    except ValueError:  # variable-width elements (list<string>): count 8 bytes each at least
+        width = 8
+    return pc.multiply(pc.list_value_length(values), width)

@@ -1,0 +1,119 @@
+"""Column types: the spellings users write, and their Arrow and DuckDB forms.
+
+A type is written as a short string (``"int32"``, ``"list<float32>"``, ``"tensor<float32>"``) or
+given as a ``pyarrow.DataType``. Tensors of any shape are an Arrow
+``struct<shape: list<int64>, data: list<T>>`` so that they round-trip through Arrow, DuckDB and
+Flight without extension types; :mod:`store.tensors` converts numpy arrays to and from it.
+"""
+from __future__ import annotations
+
+import re
+
+import pyarrow as pa
+
+from .errors import InvalidArgument
+
+SCALARS: dict[str, pa.DataType] = {
+    "bool": pa.bool_(),
+    "int8": pa.int8(), "int16": pa.int16(), "int32": pa.int32(), "int64": pa.int64(),
+    "uint8": pa.uint8(), "uint16": pa.uint16(), "uint32": pa.uint32(), "uint64": pa.uint64(),
+    "float32": pa.float32(), "float64": pa.float64(),
+    "string": pa.large_string(), "binary": pa.large_binary(),
+    "timestamp": pa.timestamp("us", tz="UTC"),
+}
+ALIASES = {"int": "int64", "float": "float64", "double": "float64", "str": "string",
+           "text": "string", "bytes": "binary", "boolean": "bool"}
+NUMERIC_ELEMENTS = [n for n in SCALARS if n.startswith(("int", "uint", "float")) or n == "bool"]
+ALLOWED = sorted(SCALARS) + ["list<T>", "tensor<T>"]
+
+_WRAPPED = re.compile(r"^(list|tensor)<\s*(.+?)\s*>$")
+
+
+def parse_type(spec: str | pa.DataType) -> pa.DataType:
+    """Turn a type spelling into its Arrow type.
+
+    Raises:
+        InvalidArgument: naming the spelling and the allowed ones.
+    """
+    if isinstance(spec, pa.DataType):
+        return _check_arrow(spec)
+    if not isinstance(spec, str):
+        raise InvalidArgument(f"column type {spec!r} is not a string or pyarrow type; "
+                              f"expected one of {', '.join(ALLOWED)}")
+    text = spec.strip().lower()
+    text = ALIASES.get(text, text)
+    if text in SCALARS:
+        return SCALARS[text]
+    match = _WRAPPED.match(text)
+    if match:
+        outer, inner = match.groups()
+        inner = ALIASES.get(inner, inner)
+        if outer == "list":
+            return pa.large_list(parse_type(inner))
+        if inner not in NUMERIC_ELEMENTS:
+            raise InvalidArgument(f"tensor element type {inner!r} is not numeric; expected one of "
+                                  f"{', '.join(NUMERIC_ELEMENTS)}")
+        return tensor_type(SCALARS[inner])
+    raise InvalidArgument(f"unknown column type {spec!r}; expected one of {', '.join(ALLOWED)}")
+
+
+def tensor_type(element: pa.DataType) -> pa.DataType:
+    return pa.struct([("shape", pa.list_(pa.int64())), ("data", pa.large_list(element))])
+
+
+def is_tensor(t: pa.DataType) -> bool:
+    return (pa.types.is_struct(t) and t.num_fields == 2 and t.field(0).name == "shape"
+            and t.field(1).name == "data")
+
+
+def is_complex(t: pa.DataType) -> bool:
+    """Complex values (strings, bytes, lists, tensors) may be stored by reference."""
+    return (pa.types.is_large_string(t) or pa.types.is_large_binary(t)
+            or pa.types.is_large_list(t) or is_tensor(t))
+
+
+def type_name(t: pa.DataType) -> str:
+    """The user spelling of an Arrow type produced by :func:`parse_type`."""
+    for name, scalar in SCALARS.items():
+        if t == scalar:
+            return name
+    if is_tensor(t):
+        return f"tensor<{type_name(t.field(1).type.value_type)}>"
+    if pa.types.is_large_list(t):
+        return f"list<{type_name(t.value_type)}>"
+    return str(t)
+
+
+def _check_arrow(t: pa.DataType) -> pa.DataType:
+    """Normalise an Arrow type to the store's canonical (large) variants."""
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return pa.large_string()
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return pa.large_binary()
+    if pa.types.is_timestamp(t):
+        return SCALARS["timestamp"]
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return pa.large_list(_check_arrow(t.value_type))
+    if is_tensor(t):
+        return tensor_type(_check_arrow(t.field(1).type.value_type))
+    for scalar in SCALARS.values():
+        if t == scalar:
+            return t
+    raise InvalidArgument(f"column type {t} is not supported; expected one of {', '.join(ALLOWED)}")
+
+
+_DUCK_SCALARS = {
+    "bool": "BOOLEAN", "int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER",
+    "int64": "BIGINT", "uint8": "UTINYINT", "uint16": "USMALLINT", "uint32": "UINTEGER",
+    "uint64": "UBIGINT", "float32": "FLOAT", "float64": "DOUBLE", "string": "VARCHAR",
+    "binary": "BLOB", "timestamp": "TIMESTAMPTZ",
+}
+
+
+def duckdb_type(t: pa.DataType) -> str:
+    """The DuckDB column type holding values of Arrow type ``t``."""
+    if is_tensor(t):
+        return f"STRUCT(shape BIGINT[], data {duckdb_type(t.field(1).type.value_type)}[])"
+    if pa.types.is_large_list(t):
+        return f"{duckdb_type(t.value_type)}[]"
+    return _DUCK_SCALARS[type_name(t)]

@@ -1,0 +1,554 @@
+"""The writer thread: the one owner of DuckDB writes, committing in groups.
+
+Why one owner: DuckDB gives write-write conflicts when two connections update the same table, and
+one small transaction costs ~1.6 ms. So every durable change (puts, acks, nacks, version bumps,
+DDL, lease bookkeeping) is queued here; the thread takes everything waiting, runs it in ONE
+transaction (appending and fsyncing blob chunks first), commits, then applies the effects to the
+in-memory index and answers each caller. A caller's future resolves only after the commit, so a
+returned write is durable.
+
+If a group fails, each operation is retried alone so that one bad operation fails only its caller.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+from contextlib import contextmanager
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from .blobs import keys_for
+from .errors import ExpstoreError, NotFound, StaleVersion, StorageError, StoreClosed, \
+    VersionConflict
+from .live import LEASED, Lease, LiveTable, Row
+from .naming import quote
+from .prepare import PreparedPut
+
+if TYPE_CHECKING:
+    from .embedded import EmbeddedStore
+
+log = logging.getLogger("expstore.writer")
+
+MAX_GROUP_OPS = 512
+CHECKPOINT_IDLE_SECONDS = 2.0
+
+
+@dataclass
+class Op:
+    """A queued change. ``future`` resolves after the commit that made it durable."""
+
+    future: Future = field(default_factory=Future, init=False)
+
+
+@dataclass
+class PutOp(Op):
+    prepared: PreparedPut
+
+
+@dataclass
+class SettleOp(Op):
+    """Ack (consume) or nack (return) the rows of a lease."""
+
+    lease: Lease
+    ack: bool
+
+
+@dataclass
+class BumpOp(Op):
+    group: str
+    expected: int | None
+    weights_uri: str | None
+
+
+@dataclass
+class CallOp(Op):
+    """DDL and maintenance: ``run(con)`` inside the transaction, ``apply()`` after commit."""
+
+    run: Callable[[duckdb.DuckDBPyConnection], Any]
+    apply: Callable[[Any], Any] | None = None
+
+
+@dataclass
+class FlushOp(Op):
+    """Wakes the writer to write lease bookkeeping that claims left in memory."""
+
+
+class _Txn:
+    """Effects of one group transaction, applied to memory after the commit."""
+
+    def __init__(self) -> None:
+        self.applies: list[Callable[[], None]] = []
+        self.new_rows: dict[tuple[str, tuple[str, int]], int] = {}
+        self.next_row_id: dict[str, int] = {}
+
+
+class Writer:
+    """Runs in its own thread; see the module docstring."""
+
+    def __init__(self, store: "EmbeddedStore", con: duckdb.DuckDBPyConnection) -> None:
+        self._store = store
+        self._con = con
+        self._queue: queue.Queue[Op | None] = queue.Queue()
+        self._flush_pending = False
+        self._closed = False
+        self._fatal: BaseException | None = None
+        self.commits = 0
+        self._last_commit = time.monotonic()
+        self._dirty_since_checkpoint = False
+        self._thread = threading.Thread(target=self._loop, name="expstore-writer", daemon=True)
+        self._thread.start()
+
+    # -- submitting ------------------------------------------------------------------------------
+    def submit(self, op: Op) -> Future:
+        if self._closed:
+            raise StoreClosed("the store is closed")
+        if self._fatal is not None:
+            raise StoreClosed(f"the store's writer stopped: {self._fatal}")
+        self._queue.put(op)
+        return op.future
+
+    def call(self, op: Op, timeout: float | None = None) -> Any:
+        return self.submit(op).result(timeout)
+
+    def poke(self) -> None:
+        """Ask for a flush of lease bookkeeping soon (never blocks)."""
+        if not self._flush_pending and not self._closed:
+            self._flush_pending = True
+            self._queue.put(FlushOp())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            timeout = self._store._next_expiry_in()
+            try:
+                first = self._queue.get(timeout=timeout if timeout is not None
+                                        else CHECKPOINT_IDLE_SECONDS)
+            except queue.Empty:
+                self._store._expire_leases()
+                if self._store._has_pending_row_updates():
+                    self._run_group([])
+                self._maybe_checkpoint()
+                continue
+            ops: list[Op] = []
+            stop = first is None
+            if first is not None:
+                ops.append(first)
+            while not stop and len(ops) < MAX_GROUP_OPS:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                else:
+                    ops.append(nxt)
+            self._store._expire_leases()
+            self._flush_pending = False
+            if ops or self._store._has_pending_row_updates():
+                self._run_group(ops)
+            if stop:
+                self._drain_closed()
+                return
+
+    def _drain_closed(self) -> None:
+        while True:
+            try:
+                op = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if op is not None and not op.future.done():
+                op.future.set_exception(StoreClosed("the store is closed"))
+
+    def _maybe_checkpoint(self) -> None:
+        # Checkpoints compress strings and can stall for seconds: run them when idle, not when
+        # DuckDB's WAL threshold happens to trip in the middle of a producer's put.
+        if self._dirty_since_checkpoint and \
+                time.monotonic() - self._last_commit >= CHECKPOINT_IDLE_SECONDS:
+            try:
+                self._con.execute("CHECKPOINT")
+                self._dirty_since_checkpoint = False
+            except duckdb.Error as e:  # a reader holding a snapshot can defer it; retry later
+                log.debug("checkpoint deferred: %s", e)
+
+    def _run_group(self, ops: list[Op]) -> None:
+        try:
+            results = self._transaction(ops)
+        except Exception as group_error:  # noqa: BLE001 - isolate the culprit below
+            if len(ops) <= 1:
+                for op in ops:
+                    _fail(op, group_error)
+                if not ops:
+                    log.error("writing lease bookkeeping failed: %s", group_error)
+                return
+            for op in ops:
+                try:
+                    (result,) = self._transaction([op])
+                except Exception as e:  # noqa: BLE001
+                    _fail(op, e)
+                else:
+                    op.future.set_result(result)
+            return
+        for op, result in zip(ops, results):
+            if not op.future.done():
+                op.future.set_result(result)
+
+    def _transaction(self, ops: list[Op]) -> list[Any]:
+        store = self._store
+        con = self._con
+        txn = _Txn()
+        results: list[Any] = [None] * len(ops)
+        con.execute("BEGIN TRANSACTION")
+        try:
+            puts: list[tuple[int, PutOp]] = []
+            for i, op in enumerate(ops):
+                if isinstance(op, PutOp):
+                    puts.append((i, op))
+                    continue
+                if puts:
+                    self._puts(txn, puts, results)
+                    puts = []
+                if isinstance(op, SettleOp):
+                    results[i] = self._settle(txn, op)
+                elif isinstance(op, BumpOp):
+                    results[i] = self._bump(txn, op)
+                elif isinstance(op, CallOp):
+                    value = op.run(con)
+                    if op.apply is not None:
+                        apply = op.apply
+                        txn.applies.append(lambda apply=apply, value=value: apply(value))
+                    results[i] = value
+            if puts:
+                self._puts(txn, puts, results)
+            self._row_updates(txn)
+            store.blobs.sync()
+            con.execute("COMMIT")
+        except BaseException as e:
+            store.blobs.rollback()
+            try:
+                con.execute("ROLLBACK")
+            except duckdb.Error:
+                pass
+            if isinstance(e, (OSError, duckdb.IOException)):
+                raise StorageError(f"the database could not be written: {e}") from e
+            raise
+        self.commits += 1
+        self._last_commit = time.monotonic()
+        self._dirty_since_checkpoint = True
+        with store._lock:
+            for apply in txn.applies:
+                apply()
+            store._changed.notify_all()
+        return results
+
+    # -- puts ----------------------------------------------------------------------------------
+    def _puts(self, txn: _Txn, puts: list[tuple[int, PutOp]], results: list[Any]) -> None:
+        """Run a run of consecutive puts, merging those with the same shape into one statement."""
+        store = self._store
+        batch: list[tuple[PreparedPut, pa.Table]] = []
+        batch_keys: set[tuple[str, int]] = set()
+        for i, op in puts:
+            p = op.prepared
+            live = store._live_table(p.table)
+            self._check_versions(live, p)
+            physical = self._with_blob_keys(p)
+            results[i] = {"rows": p.rows, "version": store._versions[live.tdef.version_group]}
+            if batch and (batch[0][0].signature() != p.signature()
+                          or not batch_keys.isdisjoint(p.keys)):
+                self._write_rows(txn, batch)
+                batch, batch_keys = [], set()
+            batch.append((p, physical))
+            batch_keys.update(p.keys)
+        if batch:
+            self._write_rows(txn, batch)
+
+    def _check_versions(self, live: LiveTable, p: PreparedPut) -> None:
+        current = self._store._versions[live.tdef.version_group]
+        bound = current - live.tdef.max_staleness
+        versions = p.physical.column("policy_version").to_numpy()
+        high, low = int(versions.max()), int(versions.min())
+        if high > current:
+            raise StaleVersion(f"policy_version {high} is ahead of table {p.table!r}'s current "
+                               f"version {current}; expected a version in [{max(bound, 0)}, "
+                               f"{current}]")
+        if low < bound:
+            raise StaleVersion(
+                f"policy_version {low} is stale for table {p.table!r}: its current version is "
+                f"{current} and max_staleness {live.tdef.max_staleness} accepts versions ≥ "
+                f"{bound}; regenerate the sample with the current policy")
+
+    def _with_blob_keys(self, p: PreparedPut) -> pa.Table:
+        """Append the put's chunks; turn its ``__ref`` row indexes into blob keys."""
+        physical = p.physical
+        for ref in [n for n in physical.column_names if n.endswith("__ref")]:
+            index = physical.column(ref).combine_chunks()
+            chunk = p.chunks.get(ref[: -len("__ref")])
+            if chunk is None:
+                keys = pa.nulls(len(index), pa.string())
+            else:
+                prefix = self._store.blobs.append(chunk)
+                keys = keys_for(prefix, len(index) - index.null_count).take(index)
+            physical = physical.set_column(physical.schema.get_field_index(ref), ref, keys)
+        return physical
+
+    def _write_rows(self, txn: _Txn, batch: list[tuple[PreparedPut, pa.Table]]) -> None:
+        store = self._store
+        first = batch[0][0]
+        live = store._live_table(first.table)
+        tname = first.table
+        physical = pa.concat_tables([t for _, t in batch]) if len(batch) > 1 else batch[0][1]
+        keys = [k for p, _ in batch for k in p.keys]
+        set_mask = np.concatenate([p.set_mask for p, _ in batch])
+        clear_mask = np.concatenate([p.clear_mask for p, _ in batch])
+        n = len(keys)
+        row_ids = np.empty(n, np.int64)
+        is_new = np.zeros(n, bool)
+        next_id = txn.next_row_id.get(tname, live.next_row_id)
+        for i, key in enumerate(keys):
+            row = live.rows.get(key)
+            if row is not None:
+                row_ids[i] = row.row_id
+                continue
+            known = txn.new_rows.get((tname, key))
+            if known is not None:
+                row_ids[i] = known
+                continue
+            row_ids[i] = next_id
+            txn.new_rows[(tname, key)] = next_id
+            next_id += 1
+            is_new[i] = True
+        terminal: set[int] = set()
+        if is_new.any():
+            # A key that is neither live nor new in this transaction may still exist as a
+            # consumed, stale or dead row (an at-least-once producer re-sending): look those up so
+            # the write updates them instead of failing on the primary key.
+            found = self._existing_rows(tname, [keys[i] for i in np.nonzero(is_new)[0]])
+            if found:
+                for i in np.nonzero(is_new)[0]:
+                    rid = found.get(keys[i])
+                    if rid is not None:
+                        txn.new_rows.pop((tname, keys[i]), None)
+                        row_ids[i] = rid
+                        is_new[i] = False
+                        terminal.add(int(rid))
+                # Re-number what is really new so row ids stay dense.
+                next_id = txn.next_row_id.get(tname, live.next_row_id)
+                for i in np.nonzero(is_new)[0]:
+                    row_ids[i] = next_id
+                    txn.new_rows[(tname, keys[i])] = next_id
+                    next_id += 1
+        txn.next_row_id[tname] = next_id
+        physical = physical.append_column("row_id", pa.array(row_ids, pa.int64()))
+        current = store._versions[live.tdef.version_group]
+        con = self._con
+        data_cols = first.data_columns
+        status_cols = first.status_columns
+        tdef = live.tdef
+        if is_new.any():
+            new_rows = physical.filter(pa.array(is_new))
+            cols = ["row_id", "sample_id", "input_id", "turn", "trajectory_id", "policy_version"]
+            exprs = [f"b.{quote(c)}" for c in cols]
+            cols += ["finished_version", "created_at", "updated_at"]
+            exprs += [f"coalesce(b.finished_version, {int(current)})", "now()", "now()"]
+            for c in data_cols:
+                cols.append(c)
+                exprs.append(f"b.{quote(c)}")
+                ref = tdef.column(c).ref
+                if ref:
+                    cols.append(ref)
+                    exprs.append(f"b.{quote(ref)}")
+            for s in status_cols:
+                cols.append(s)
+                exprs.append(f"coalesce(b.{quote(s)}, false)")
+            with registered(con, "_expstore_new", new_rows):
+                con.execute(f"INSERT INTO {quote(tname)} ({', '.join(map(quote, cols))}) "
+                            f"SELECT {', '.join(exprs)} FROM _expstore_new AS b")
+        if (~is_new).any():
+            old_rows = physical.filter(pa.array(~is_new))
+            sets = [f"finished_version = coalesce(b.finished_version, {int(current)})",
+                    "updated_at = now()"]
+            for c in data_cols:
+                w = quote(f"{c}__w")
+                sets.append(f"{quote(c)} = CASE WHEN b.{w} THEN b.{quote(c)} ELSE t.{quote(c)} END")
+                ref = tdef.column(c).ref
+                if ref:
+                    sets.append(f"{quote(ref)} = CASE WHEN b.{w} THEN b.{quote(ref)} "
+                                f"ELSE t.{quote(ref)} END")
+            for s in status_cols:
+                sets.append(f"{quote(s)} = coalesce(b.{quote(s)}, t.{quote(s)})")
+            with registered(con, "_expstore_old", old_rows):
+                con.execute(f"UPDATE {quote(tname)} AS t SET {', '.join(sets)} "
+                            f"FROM _expstore_old AS b WHERE t.row_id = b.row_id")
+
+        input_ids = physical.column("input_id").to_pylist()
+        turns = physical.column("turn").to_pylist()
+        trajs = physical.column("trajectory_id").to_pylist()
+
+        def apply() -> None:
+            live_now = store._live.get(tname)
+            if live_now is not live:
+                return  # dropped meanwhile
+            live.next_row_id = max(live.next_row_id, next_id)
+            for i, key in enumerate(keys):
+                rid = int(row_ids[i])
+                if rid in terminal:
+                    continue
+                row = live.rows.get(key)
+                if row is None:
+                    if not is_new[i]:
+                        continue  # consumed or gone since: nothing live to update
+                    row = Row(rid, key[0], key[1], input_ids[i], turns[i], trajs[i])
+                    live.rows[key] = row
+                row.mask = (row.mask & ~int(clear_mask[i])) | int(set_mask[i])
+                if row.state == LEASED:
+                    continue
+                if live.is_complete(row):
+                    live.make_ready(row)
+                else:
+                    live.unready(row)
+        txn.applies.append(apply)
+
+    def _existing_rows(self, table: str, keys: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """Row ids of keys already in DuckDB (only terminal rows can be; live ones are known)."""
+        if not self._store._may_have_terminal_rows(table):
+            return {}
+        probe = pa.table({"sample_id": [k[0] for k in keys],
+                          "policy_version": pa.array([k[1] for k in keys], pa.int64())})
+        with registered(self._con, "_expstore_probe", probe):
+            found = self._con.execute(
+                f"SELECT t.sample_id, t.policy_version, t.row_id FROM {quote(table)} AS t "
+                "JOIN _expstore_probe AS p USING (sample_id, policy_version)").fetchall()
+        return {(s, int(v)): int(r) for s, v, r in found}
+
+    # -- acks, nacks ------------------------------------------------------------------------
+    def _settle(self, txn: _Txn, op: SettleOp) -> dict[str, Any]:
+        store = self._store
+        lease = op.lease
+        with store._lock:
+            plan = store._settle_plan(lease, ack=op.ack)
+        for tname, rows in plan.items():
+            if tname not in store._live:
+                continue
+            if op.ack:
+                version = store._versions[store._live[tname].tdef.version_group]
+                self._con.execute(
+                    f"UPDATE {quote(tname)} SET consumed = true, is_processing = false, "
+                    "consumed_version = ?, lease_id = ?, updated_at = now() "
+                    "WHERE row_id IN (SELECT unnest(?::BIGINT[]))",
+                    [version, lease.claim_id, [r.row_id for r, _ in rows]])
+                continue
+            tbl = pa.table({
+                "row_id": pa.array([r.row_id for r, _ in rows], pa.int64()),
+                "delivery_count": pa.array([r.deliveries for r, _ in rows], pa.int32()),
+                "dead": pa.array([o == "dead" for _, o in rows], pa.bool_()),
+                "stale": pa.array([o == "stale" for _, o in rows], pa.bool_()),
+            })
+            with registered(self._con, "_expstore_nack", tbl):
+                self._con.execute(
+                    f"UPDATE {quote(tname)} AS t SET is_processing = false, "
+                    "lease_expires_at = NULL, delivery_count = b.delivery_count, "
+                    "dead = b.dead, stale = t.stale OR b.stale, updated_at = now() "
+                    "FROM _expstore_nack AS b WHERE t.row_id = b.row_id")
+        txn.applies.append(lambda: store._settled(lease, plan, ack=op.ack))
+        return {"claim_id": lease.claim_id, "acked" if op.ack else "nacked": len(lease.rows)}
+
+    # -- versions -------------------------------------------------------------------------------
+    def _bump(self, txn: _Txn, op: BumpOp) -> int:
+        store = self._store
+        if op.group not in store._versions:
+            raise NotFound(f"version group {op.group!r} does not exist")
+        current = store._versions[op.group]
+        if op.expected is not None and op.expected != current:
+            raise VersionConflict(f"version of {op.group!r} is {current}, not the expected "
+                                  f"{op.expected}; another trainer bumped it first")
+        new = current + 1
+        con = self._con
+        con.execute("UPDATE _expstore_groups SET version = ?, updated_at = now() WHERE name = ?",
+                    [new, op.group])
+        con.execute("INSERT INTO _expstore_versions (version_group, version, weights_uri) "
+                    "VALUES (?, ?, ?)", [op.group, new, op.weights_uri])
+        stale: list[tuple[LiveTable, list[Row]]] = []
+        for live in store._live.values():
+            if live.tdef.version_group != op.group:
+                continue
+            rows = live.stale_rows(new - live.tdef.max_staleness)
+            if rows:
+                con.execute(f"UPDATE {quote(live.tdef.name)} SET stale = true, updated_at = now() "
+                            "WHERE row_id IN (SELECT unnest(?::BIGINT[]))",
+                            [[r.row_id for r in rows]])
+                stale.append((live, rows))
+
+        def apply() -> None:
+            store._versions[op.group] = new
+            store._weights[op.group] = op.weights_uri
+            for live, rows in stale:
+                for row in rows:
+                    if row.state != LEASED:
+                        live.forget(row)
+        txn.applies.append(apply)
+        return new
+
+    # -- lease bookkeeping -----------------------------------------------------------------
+    def _row_updates(self, txn: _Txn) -> None:
+        """Write the lease columns (and stale/dead flags) that claims and expiries changed."""
+        updates = self._store._take_row_updates()
+        if not updates:
+            return
+        con = self._con
+        for tname, rows in updates.items():
+            if tname not in self._store._live:
+                continue
+            tbl = pa.table({
+                "row_id": pa.array([r[0] for r in rows], pa.int64()),
+                "is_processing": pa.array([r[1] for r in rows], pa.bool_()),
+                "lease_id": pa.array([r[2] for r in rows], pa.string()),
+                "lease_owner": pa.array([r[3] for r in rows], pa.string()),
+                "lease_expires_at": pa.array([r[4] for r in rows], pa.timestamp("us", tz="UTC")),
+                "delivery_count": pa.array([r[5] for r in rows], pa.int32()),
+                "stale": pa.array([r[6] for r in rows], pa.bool_()),
+                "dead": pa.array([r[7] for r in rows], pa.bool_()),
+            })
+            with registered(con, "_expstore_leases", tbl):
+                # Rows acked in this same transaction stay consumed: only touch unconsumed ones.
+                con.execute(
+                    f"UPDATE {quote(tname)} AS t SET is_processing = b.is_processing, "
+                    "lease_id = coalesce(b.lease_id, t.lease_id), "
+                    "lease_owner = coalesce(b.lease_owner, t.lease_owner), "
+                    "lease_expires_at = b.lease_expires_at, delivery_count = b.delivery_count, "
+                    "stale = t.stale OR b.stale, dead = t.dead OR b.dead "
+                    "FROM _expstore_leases AS b WHERE t.row_id = b.row_id AND NOT t.consumed")
+
+
+@contextmanager
+def registered(con: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> Iterator[None]:
+    """Expose an Arrow table to SQL for one statement."""
+    con.register(name, table)
+    try:
+        yield
+    finally:
+        try:
+            con.unregister(name)
+        except duckdb.Error:  # an aborted transaction refuses even this; ROLLBACK follows
+            pass
+
+
+def _fail(op: Op, error: BaseException) -> None:
+    if op.future.done():
+        return
+    if not isinstance(error, ExpstoreError):
+        if isinstance(error, duckdb.Error):
+            error = StorageError(f"the store could not apply the change: {error}")
+    op.future.set_exception(error)
