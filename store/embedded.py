@@ -190,6 +190,10 @@ class EmbeddedStore:
         """The Arrow schema of a table's rows as claims and reads return them."""
         return self._live_table(name).tdef.arrow_schema()
 
+    def claim_schema(self, name: str) -> pa.Schema:
+        """The Arrow schema of claimed rows (and of subscription micro-batches)."""
+        return self._live_table(name).tdef.claim_schema()
+
     def write_schema(self, name: str) -> pa.Schema:
         """The Arrow schema a producer may write (any subset of it, with ``sample_id``)."""
         return self._live_table(name).tdef.write_schema()
@@ -313,9 +317,9 @@ class EmbeddedStore:
                "WHERE row_id IN (SELECT unnest(?::BIGINT[])) "
                "ORDER BY policy_version, input_id, turn, trajectory_id")
         table = self._reader().sql(sql, params=[[r.row_id for r in rows]]).to_arrow_table()
-        return self._resolve_refs(table, tdef)
+        return self._resolve_refs(table).cast(tdef.claim_schema())
 
-    def _resolve_refs(self, table: pa.Table, tdef: TableDef | None = None) -> pa.Table:
+    def _resolve_refs(self, table: pa.Table) -> pa.Table:
         """Replace ``X`` + ``X__ref`` column pairs by ``X`` with the blob values filled in."""
         for name in list(table.column_names):
             if not name.endswith("__ref"):
@@ -539,6 +543,11 @@ class EmbeddedStore:
     @property
     def change_seq(self) -> int:
         return self._change_seq
+
+    def wake(self) -> None:
+        """Wake everything blocked in :meth:`wait_changed` (e.g. a message arrived)."""
+        with self._changed:
+            self._notify()
 
     # -- SQL ----------------------------------------------------------------------------------------
     def query(self, sql: str, params: list[Any] | None = None, *,

@@ -174,6 +174,14 @@ class TableDef:
         fields += [pa.field(c.status, pa.bool_()) for c in self.columns]
         return pa.schema(fields, metadata={"expstore.table": self.name})
 
+    def claim_schema(self) -> pa.Schema:
+        """What a claim returns: :data:`CLAIM_META`, data and status columns."""
+        meta = {n: t for n, _, t in META_COLUMNS}
+        fields = [pa.field(n, meta[n]) for n in CLAIM_META]
+        fields += [pa.field(c.name, c.type) for c in self.columns]
+        fields += [pa.field(c.status, pa.bool_()) for c in self.columns]
+        return pa.schema(fields, metadata={"expstore.table": self.name})
+
     def write_schema(self) -> pa.Schema:
         """What a producer may send: ``sample_id``, optional versions, data and status columns."""
         fields = [pa.field("sample_id", pa.large_string(), nullable=False),

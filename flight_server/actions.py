@@ -1,0 +1,201 @@
+"""The ``do_action`` verbs: a small table of name → (role, description, handler).
+
+Bodies are JSON objects; each answer is one JSON result, except ``claim`` and ``claim_many``
+which follow their JSON header with one Arrow IPC stream per claimed table (see
+docs/protocol.md).
+"""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from store.claims import Claim, ClaimRequest
+from store.embedded import EmbeddedStore
+from store.errors import InvalidArgument
+
+Handler = Callable[[EmbeddedStore, dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    name: str
+    role: str
+    description: str
+    handler: Handler
+
+
+def _fields(body: dict[str, Any], action: str, required: tuple[str, ...],
+            optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    missing = [f for f in required if f not in body]
+    if missing:
+        raise InvalidArgument(f"action {action!r} needs field(s) {missing}; got {sorted(body)}")
+    extra = set(body) - set(required) - set(optional)
+    if extra:
+        raise InvalidArgument(f"action {action!r} does not take field(s) {sorted(extra)}; it "
+                              f"takes {list(required) + list(optional)}")
+    return body
+
+
+def claim_results(claim: Claim) -> list[bytes]:
+    header = {"claim_id": claim.claim_id, "consumer": claim.consumer,
+              "expires_at": claim.expires_at,
+              "tables": {name: t.num_rows for name, t in claim.tables.items()}}
+    out = [json.dumps(header).encode()]
+    for table in claim.tables.values():
+        sink = io.BytesIO()
+        with pa.ipc.new_stream(sink, table.schema) as w:
+            w.write_table(table)
+        out.append(sink.getvalue())
+    return out
+
+
+def _create_table(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    _fields(b, "create_table", ("name", "columns"),
+            ("if_not_exists", "max_staleness", "version_group", "max_deliveries",
+             "lease_seconds", "storage", "required"))
+    name, columns = b.pop("name"), b.pop("columns")
+    return s.create_table(name, columns, **b)
+
+
+def _drop_table(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    _fields(b, "drop_table", ("name",), ("if_exists",))
+    return {"dropped": s.drop_table(b["name"], if_exists=bool(b.get("if_exists", False)))}
+
+
+def _claim(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    _fields(b, "claim", ("table", "limit"),
+            ("where", "group_by", "group_size", "consumer", "lease_seconds", "min_rows"))
+    consumer, lease = b.pop("consumer", None), b.pop("lease_seconds", None)
+    request = ClaimRequest.from_json(b)
+    return claim_results(s.claim_many([request], consumer=consumer, lease_seconds=lease))
+
+
+def _claim_many(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    _fields(b, "claim_many", ("requests",), ("consumer", "lease_seconds"))
+    if not isinstance(b["requests"], list):
+        raise InvalidArgument("claim_many 'requests' must be a list of claim requests")
+    requests = [ClaimRequest.from_json(r) for r in b["requests"]]
+    return claim_results(s.claim_many(requests, consumer=b.get("consumer"),
+                                      lease_seconds=b.get("lease_seconds")))
+
+
+def _ack(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    return s.ack(_fields(b, "ack", ("claim_id",))["claim_id"])
+
+
+def _nack(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    return s.nack(_fields(b, "nack", ("claim_id",))["claim_id"])
+
+
+def _bump(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    _fields(b, "bump_version", ("table",), ("expected", "weights_uri"))
+    version = s.bump_version(b["table"], expected=b.get("expected"),
+                             weights_uri=b.get("weights_uri"))
+    return {"table": b["table"], "version": version, "weights_uri": b.get("weights_uri")}
+
+
+def _get_version(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    _fields(b, "get_version", ("table",))
+    return {"table": b["table"], "version": s.get_version(b["table"]),
+            "weights_uri": s.weights_uri(b["table"])}
+
+
+MAX_WAIT_SECONDS = 300.0
+
+
+def _wait_version(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    _fields(b, "wait_version", ("table", "min_version"), ("timeout",))
+    timeout = b.get("timeout", 30.0)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or \
+            not 0 <= timeout <= MAX_WAIT_SECONDS:
+        raise InvalidArgument(f"wait_version timeout {timeout!r} is invalid; expected seconds "
+                              f"in [0, {MAX_WAIT_SECONDS}]")
+    min_version = b["min_version"]
+    if not isinstance(min_version, int) or isinstance(min_version, bool):
+        raise InvalidArgument(f"min_version {min_version!r} is not an integer")
+    version = s.wait_version(b["table"], min_version, timeout)
+    return {"table": b["table"], "version": version, "reached": version >= min_version,
+            "weights_uri": s.weights_uri(b["table"])}
+
+
+def _stats(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    return s.stats(_fields(b, "stats", (), ("table",)).get("table"))
+
+
+def _leases(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    return s.leases(_fields(b, "leases", (), ("table",)).get("table"))
+
+
+def _describe(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    return s.describe(_fields(b, "describe", ("table",))["table"])
+
+
+def _list_tables(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    _fields(b, "list_tables", ())
+    return {"tables": s.list_tables()}
+
+
+def _health(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    _fields(b, "health", ())
+    return s.health()
+
+
+def _gc(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    _fields(b, "gc", ())
+    return s.gc()
+
+
+def _checkpoint(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    _fields(b, "checkpoint", ())
+    s.checkpoint()
+    return {"checkpoint": True}
+
+
+ACTIONS: dict[str, ActionSpec] = {a.name: a for a in [
+    ActionSpec("create_table", "admin", "Create an experience table. Body: {name, columns: "
+               "{col: type}, if_not_exists?, max_staleness?, version_group?, max_deliveries?, "
+               "lease_seconds?, storage?: {col: value|ref|auto}, required?: [col]}", _create_table),
+    ActionSpec("drop_table", "admin", "Drop a table. Body: {name, if_exists?}", _drop_table),
+    ActionSpec("claim", "writer", "Lease up to `limit` ready rows. Body: {table, limit, where?, "
+               "group_by?, group_size?, consumer?, lease_seconds?, min_rows?}. Answer: a JSON "
+               "header {claim_id, expires_at, tables}, then one Arrow IPC stream per table",
+               _claim),
+    ActionSpec("claim_many", "writer", "Lease rows from several tables atomically. Body: "
+               "{requests: [claim bodies without consumer], consumer?, lease_seconds?}",
+               _claim_many),
+    ActionSpec("ack", "writer", "Mark a claim's rows consumed (idempotent). Body: {claim_id}",
+               _ack),
+    ActionSpec("nack", "writer", "Return a claim's rows to ready. Body: {claim_id}", _nack),
+    ActionSpec("bump_version", "admin", "Bump a table's version group (compare-and-set). Body: "
+               "{table, expected?, weights_uri?}", _bump),
+    ActionSpec("get_version", "reader", "Current version and weights. Body: {table}",
+               _get_version),
+    ActionSpec("wait_version", "reader", "Long-poll until version ≥ min_version. Body: {table, "
+               "min_version, timeout? (s, default 30, max 300)}", _wait_version),
+    ActionSpec("stats", "reader", "Rows by state per table. Body: {table?}", _stats),
+    ActionSpec("leases", "reader", "Claims currently leased. Body: {table?}", _leases),
+    ActionSpec("describe", "reader", "A table's definition and version. Body: {table}",
+               _describe),
+    ActionSpec("list_tables", "reader", "Names of the experience tables. Body: {}", _list_tables),
+    ActionSpec("health", "reader", "Liveness and basic counters. Body: {}", _health),
+    ActionSpec("gc", "admin", "Delete blob segments no row references. Body: {}", _gc),
+    ActionSpec("checkpoint", "admin", "Fold the WAL into the database file. Body: {}",
+               _checkpoint),
+]}
+
+
+def parse_body(raw: bytes, action: str) -> dict[str, Any]:
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidArgument(f"body of action {action!r} is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise InvalidArgument(f"body of action {action!r} must be a JSON object, got "
+                              f"{type(body).__name__}")
+    return body

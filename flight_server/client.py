@@ -1,0 +1,270 @@
+"""The remote store: the same interface as the embedded store, over Arrow Flight.
+
+>>> import store
+>>> s = store.connect("grpc://127.0.0.1:8815", token="…")     # doctest: +SKIP
+>>> s.put("solver", [{"sample_id": "q1_0_0", "reward": 1.0}])   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from store.claims import Claim, ClaimRequest
+from store.errors import InvalidArgument, Unavailable
+from store.prepare import to_arrow_table
+from store.schema import TableDef
+
+from .errors import from_flight
+
+
+class RemoteStore:
+    """A client of an expstore Flight server.
+
+    Args:
+        uri: ``grpc://host:port`` or ``grpc+tls://host:port``.
+        token: bearer token when the server has auth on.
+        tls_root_certs: PEM bytes or a path, to trust a self-signed server certificate.
+        timeout: default seconds per call (None: no limit).
+    """
+
+    def __init__(self, uri: str, *, token: str | None = None,
+                 tls_root_certs: bytes | str | None = None, timeout: float | None = 60.0,
+                 connect_timeout: float = 10.0) -> None:
+        self.uri = uri
+        if uri.startswith("grpc+tcp://"):
+            uri = "grpc://" + uri[len("grpc+tcp://"):]
+        kwargs: dict[str, Any] = {}
+        if tls_root_certs is not None:
+            if isinstance(tls_root_certs, str):
+                with open(tls_root_certs, "rb") as f:
+                    tls_root_certs = f.read()
+            kwargs["tls_root_certs"] = tls_root_certs
+        self._client = flight.FlightClient(uri, **kwargs)
+        self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self._timeout = timeout
+        self._defs: dict[str, TableDef] = {}
+        self._closed = False
+        self._wait_ready(connect_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        try:
+            self._client.wait_for_available(timeout=timeout)
+        except flight.FlightError as e:
+            raise Unavailable(f"no expstore server answers at {self.uri}: {e}") from None
+
+    def _options(self, timeout: float | None = -1.0) -> flight.FlightCallOptions:
+        t = self._timeout if timeout == -1.0 else timeout
+        return flight.FlightCallOptions(headers=self._headers, timeout=t)
+
+    @contextmanager
+    def _calls(self) -> Iterator[None]:
+        try:
+            yield
+        except (flight.FlightError, pa.ArrowException) as e:
+            raise from_flight(e) from None
+
+    def _action(self, name: str, body: dict[str, Any] | None = None,
+                timeout: float | None = -1.0) -> list[bytes]:
+        with self._calls():
+            results = self._client.do_action(
+                flight.Action(name, json.dumps(body or {}).encode()), self._options(timeout))
+            return [r.body.to_pybytes() for r in results]
+
+    def _json(self, name: str, body: dict[str, Any] | None = None,
+              timeout: float | None = -1.0) -> Any:
+        return json.loads(self._action(name, body, timeout)[0])
+
+    # -- tables --------------------------------------------------------------------------------
+    def create_table(self, name: str, columns: Mapping[str, Any], **options: Any) -> dict:
+        body = {"name": name, "columns": {k: _type_spelling(v) for k, v in columns.items()},
+                **options}
+        return self._json("create_table", body)
+
+    def drop_table(self, name: str, *, if_exists: bool = False) -> bool:
+        self._defs.pop(name, None)
+        return bool(self._json("drop_table", {"name": name, "if_exists": if_exists})["dropped"])
+
+    def list_tables(self) -> list[str]:
+        return list(self._json("list_tables")["tables"])
+
+    def describe(self, name: str) -> dict[str, Any]:
+        return self._json("describe", {"table": name})
+
+    def _tdef(self, name: str) -> TableDef:
+        tdef = self._defs.get(name)
+        if tdef is None:
+            d = self.describe(name)
+            tdef = TableDef.from_json(json.dumps(d))
+            self._defs[name] = tdef
+        return tdef
+
+    def schema(self, name: str) -> pa.Schema:
+        return self._tdef(name).arrow_schema()
+
+    def claim_schema(self, name: str) -> pa.Schema:
+        return self._tdef(name).claim_schema()
+
+    def write_schema(self, name: str) -> pa.Schema:
+        return self._tdef(name).write_schema()
+
+    # -- writes --------------------------------------------------------------------------------
+    def put(self, table: str, data: Any, *, timeout: float | None = -1.0) -> dict[str, Any]:
+        """Upsert rows; returns once the server answered that they are durable."""
+        if isinstance(data, (pa.Table, pa.RecordBatch)):
+            arrow = data if isinstance(data, pa.Table) else pa.Table.from_batches([data])
+        else:
+            arrow = to_arrow_table(self._tdef(table), data)
+        return self.put_batches(table, arrow.to_batches(), arrow.schema, timeout=timeout)[-1]
+
+    def put_batches(self, table: str, batches: list[pa.RecordBatch], schema: pa.Schema,
+                    *, timeout: float | None = -1.0) -> list[dict[str, Any]]:
+        answers: list[dict[str, Any]] = []
+        with self._calls():
+            writer, meta = self._client.do_put(flight.FlightDescriptor.for_path(table), schema,
+                                               self._options(timeout))
+            try:
+                for batch in batches:
+                    if batch.num_rows:
+                        writer.write_batch(batch)
+                writer.done_writing()
+                while True:
+                    buf = meta.read()
+                    if buf is None:
+                        break
+                    answers.append(json.loads(buf.to_pybytes()))
+            finally:
+                writer.close()
+        if not answers:
+            raise InvalidArgument("the write held no rows")
+        return answers
+
+    # -- claims --------------------------------------------------------------------------------
+    def claim(self, table: str, limit: int, *, where: str | None = None,
+              group_by: str | None = None, group_size: int | None = None,
+              consumer: str | None = None, lease_seconds: float | None = None,
+              min_rows: int = 1) -> Claim:
+        request = ClaimRequest(table, limit, where, group_by, group_size, min_rows)
+        return self.claim_many([request], consumer=consumer, lease_seconds=lease_seconds)
+
+    def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
+                   lease_seconds: float | None = None) -> Claim:
+        body: dict[str, Any] = {"requests": [_request_json(r) for r in requests]}
+        if consumer is not None:
+            body["consumer"] = consumer
+        if lease_seconds is not None:
+            body["lease_seconds"] = lease_seconds
+        results = self._action("claim_many", body)
+        return _claim_from_results(results)
+
+    def ack(self, claim_id: str) -> dict[str, Any]:
+        return self._json("ack", {"claim_id": claim_id})
+
+    def nack(self, claim_id: str) -> dict[str, Any]:
+        return self._json("nack", {"claim_id": claim_id})
+
+    # -- versions ------------------------------------------------------------------------------
+    def get_version(self, table: str) -> int:
+        return int(self._json("get_version", {"table": table})["version"])
+
+    def weights_uri(self, table: str) -> str | None:
+        return self._json("get_version", {"table": table})["weights_uri"]
+
+    def bump_version(self, table: str, *, expected: int | None = None,
+                     weights_uri: str | None = None) -> int:
+        body: dict[str, Any] = {"table": table}
+        if expected is not None:
+            body["expected"] = expected
+        if weights_uri is not None:
+            body["weights_uri"] = weights_uri
+        return int(self._json("bump_version", body)["version"])
+
+    def wait_version(self, table: str, min_version: int, timeout: float | None = None) -> int:
+        """Long-poll the server until the version reaches ``min_version`` (no client polling:
+        each call blocks server-side for up to 300 s)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = 300.0 if deadline is None else max(0.0, min(300.0,
+                                                                    deadline - time.monotonic()))
+            answer = self._json("wait_version", {"table": table, "min_version": min_version,
+                                                 "timeout": remaining}, timeout=remaining + 30)
+            if answer["reached"] or (deadline is not None and time.monotonic() >= deadline):
+                return int(answer["version"])
+
+    # -- SQL and stats -------------------------------------------------------------------------
+    def query(self, sql: str, params: list[Any] | None = None, *,
+              timeout: float | None = None) -> pa.Table:
+        ticket: dict[str, Any] = {"sql": sql}
+        if params is not None:
+            ticket["params"] = list(params)
+        if timeout is not None:
+            ticket["timeout"] = timeout
+        with self._calls():
+            reader = self._client.do_get(flight.Ticket(json.dumps(ticket).encode()),
+                                         self._options())
+            return reader.read_all()
+
+    def stats(self, table: str | None = None) -> dict[str, Any]:
+        out = self._json("stats", {"table": table} if table else {})
+        for entry in out.values():
+            entry["rows_per_version"] = {int(k): v for k, v in entry["rows_per_version"].items()}
+        return out
+
+    def leases(self, table: str | None = None) -> list[dict[str, Any]]:
+        return self._json("leases", {"table": table} if table else {})
+
+    def health(self) -> dict[str, Any]:
+        return self._json("health")
+
+    def gc(self) -> dict[str, int]:
+        return self._json("gc")
+
+    def checkpoint(self) -> None:
+        self._json("checkpoint")
+
+    def subscribe(self, table: str, micro_batch_size: int, global_batch_size: int,
+                  **options: Any) -> "RemoteSubscription":
+        from .subscriber import RemoteSubscription
+        return RemoteSubscription(self, table, micro_batch_size, global_batch_size, **options)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._client.close()
+
+    def __enter__(self) -> "RemoteStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _type_spelling(value: Any) -> Any:
+    if isinstance(value, pa.DataType):
+        from store.types import parse_type, type_name
+        return type_name(parse_type(value))
+    return value
+
+
+def _request_json(r: ClaimRequest) -> dict[str, Any]:
+    d: dict[str, Any] = {"table": r.table, "limit": r.limit, "min_rows": r.min_rows}
+    for key in ("where", "group_by", "group_size"):
+        if getattr(r, key) is not None:
+            d[key] = getattr(r, key)
+    return d
+
+
+def _claim_from_results(results: list[bytes]) -> Claim:
+    header = json.loads(results[0])
+    tables: dict[str, pa.Table] = {}
+    for name, body in zip(header["tables"], results[1:]):
+        tables[name] = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
+    return Claim(header["claim_id"], header["consumer"], header["expires_at"], tables)
+
+
+__all__ = ["RemoteStore"]

@@ -1,0 +1,171 @@
+"""``do_exchange`` subscriptions: the server pushes micro-batches, the client sends acks.
+
+The server runs one :class:`store.subscription.Subscription` per stream. A reader thread turns the
+client's messages (metadata-only writes: ack, nack, bump, resume, close) into a queue and wakes
+the loop; the loop answers them, then pushes a micro-batch whenever one can be claimed and fewer
+than ``max_in_flight`` are unacked, and otherwise sleeps until the store commits something. When
+the client goes away, its in-flight micro-batches are nacked so that their rows are ready again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from store.embedded import EmbeddedStore
+from store.errors import ExpstoreError, InvalidArgument
+from store.subscription import MicroBatch, Subscription
+
+from .auth import Principal
+
+log = logging.getLogger("expstore.exchange")
+
+SUBSCRIBE_FIELDS = {"table", "micro_batch_size", "global_batch_size", "where", "group_by",
+                    "group_size", "consumer", "max_in_flight", "lease_seconds"}
+
+
+def parse_subscribe(command: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(command)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidArgument(f"do_exchange command is not valid JSON: {e}") from e
+    sub = doc.get("subscribe") if isinstance(doc, dict) else None
+    if not isinstance(sub, dict):
+        raise InvalidArgument("do_exchange command must be {\"subscribe\": {table, "
+                              "micro_batch_size, global_batch_size, …}}")
+    extra = set(sub) - SUBSCRIBE_FIELDS
+    if extra:
+        raise InvalidArgument(f"subscribe has unknown fields {sorted(extra)}; expected "
+                              f"{sorted(SUBSCRIBE_FIELDS)}")
+    for required in ("table", "micro_batch_size", "global_batch_size"):
+        if required not in sub:
+            raise InvalidArgument(f"subscribe needs {required!r}")
+    return sub
+
+
+def _meta(doc: dict[str, Any]) -> pa.Buffer:
+    return pa.py_buffer(json.dumps(doc).encode())
+
+
+class ExchangeSession:
+    def __init__(self, store: EmbeddedStore, principal: Principal, options: dict[str, Any],
+                 reader: flight.MetadataRecordBatchReader,
+                 writer: flight.MetadataRecordBatchWriter) -> None:
+        self._store = store
+        self._principal = principal
+        table = options.pop("table")
+        self._sub = Subscription(store, table, options.pop("micro_batch_size"),
+                                 options.pop("global_batch_size"), **options)
+        self._reader = reader
+        self._writer = writer
+        self._inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._batches: dict[str, MicroBatch] = {}
+        self._done = False
+
+    def run(self) -> None:
+        self._writer.begin(self._store.claim_schema(self._sub.table))
+        self._writer.write_metadata(_meta({"type": "subscribed", "table": self._sub.table,
+                                           "version": self._sub.version}))
+        thread = threading.Thread(target=self._read_client, name="expstore-exchange-reader",
+                                  daemon=True)
+        thread.start()
+        try:
+            while not self._done:
+                self._handle_messages()
+                if self._done:
+                    break
+                if self._can_deliver():
+                    seen = self._store.change_seq
+                    batch = self._sub.next(timeout=0)
+                    if batch is not None:
+                        self._send(batch)
+                        continue
+                    self._store.wait_changed(seen, 1.0)
+                else:
+                    self._wait_for_message(1.0)
+        finally:
+            self._done = True
+            self._sub.close()  # nacks whatever the client never acked
+
+    # -- client messages -----------------------------------------------------------------------
+    def _read_client(self) -> None:
+        try:
+            while True:
+                chunk = self._reader.read_chunk()
+                if chunk.app_metadata is None:
+                    continue
+                try:
+                    msg = json.loads(chunk.app_metadata.to_pybytes())
+                except ValueError:
+                    msg = {"type": "invalid"}
+                self._inbox.put(msg if isinstance(msg, dict) else {"type": "invalid"})
+                self._store.wake()
+        except StopIteration:
+            pass
+        except Exception as e:  # noqa: BLE001 - a broken stream ends the session
+            log.debug("exchange client stream ended: %s", e)
+        self._inbox.put(None)
+        self._store.wake()
+
+    def _wait_for_message(self, timeout: float) -> None:
+        try:
+            msg = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._inbox.put(msg)
+
+    def _handle_messages(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg is None or msg.get("type") == "close":
+                self._done = True
+                return
+            reply = self._answer(msg)
+            self._writer.write_metadata(_meta(reply))
+
+    def _answer(self, msg: dict[str, Any]) -> dict[str, Any]:
+        kind = msg.get("type")
+        try:
+            if kind in ("ack", "nack"):
+                self._principal.require("writer", kind)
+                claim_id = msg.get("claim_id")
+                batch = self._batches.pop(claim_id, None) if isinstance(claim_id, str) else None
+                if batch is None:
+                    raise InvalidArgument(f"claim {claim_id!r} is not in flight on this "
+                                          "subscription")
+                result = batch.ack() if kind == "ack" else batch.nack()
+                return {"type": f"{kind}ed", "request": msg.get("request"), **result}
+            if kind == "bump":
+                self._principal.require("admin", "bump_version")
+                version = self._sub.bump_version(msg.get("weights_uri"))
+                return {"type": "bumped", "request": msg.get("request"), "version": version}
+            if kind == "resume":
+                self._sub.resume()
+                return {"type": "resumed", "request": msg.get("request")}
+            raise InvalidArgument(f"unknown subscription message type {kind!r}; expected ack, "
+                                  "nack, bump, resume or close")
+        except ExpstoreError as e:
+            return {"type": "error", "request": msg.get("request"), "code": e.code,
+                    "message": str(e)}
+
+    # -- micro-batches -------------------------------------------------------------------------
+    def _can_deliver(self) -> bool:
+        return not self._sub.at_boundary and len(self._batches) < self._sub.max_in_flight
+
+    def _send(self, batch: MicroBatch) -> None:
+        self._batches[batch.claim_id] = batch
+        meta = {"type": "micro_batch", "claim_id": batch.claim_id, "index": batch.index,
+                "is_boundary": batch.is_boundary, "version": batch.version,
+                "global_batch": batch.global_batch, "rows": batch.num_rows}
+        data = batch.data
+        record = (data.combine_chunks().to_batches()[0] if data.num_rows
+                  else pa.RecordBatch.from_pylist([], schema=data.schema))
+        self._writer.write_with_metadata(record, _meta(meta))

@@ -1,0 +1,268 @@
+"""The Arrow Flight service over an embedded store.
+
+Verbs (the wire contract is docs/protocol.md):
+
+* ``list_flights`` / ``get_flight_info`` / ``get_schema``: one flight per experience table;
+* ``do_put`` with ``FlightDescriptor.for_path(table)``: upsert a stream of record batches, each
+  answered with JSON metadata once durable;
+* ``do_get`` with a JSON ticket ``{"sql": …, "params"?: […], "timeout"?: s}``: read-only SQL;
+* ``do_exchange`` with ``{"subscribe": {…}}``: a micro-batch subscription (flight_server.exchange);
+* ``do_action``: the table in flight_server.actions.
+
+>>> from flight_server.server import ExpstoreFlightServer    # doctest: +SKIP
+>>> with ExpstoreFlightServer("./expstore.duckdb", port=0) as server:
+...     print(server.location)
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from store.embedded import EmbeddedStore
+from store.errors import InvalidArgument, NotFound
+from store.prepare import prepare_put
+from store.writer import PutOp
+
+from .actions import ACTIONS, parse_body
+from .auth import AuthMiddlewareFactory, Principal, load_tokens, principal_of
+from .errors import flight_errors, to_flight
+from .exchange import ExchangeSession, parse_subscribe
+
+log = logging.getLogger("expstore.server")
+
+# Batches of one do_put committed concurrently: later batches are queued to the writer while
+# earlier ones are committing, so a stream runs at group-commit speed, not one fsync per batch.
+PUT_PIPELINE = 8
+MAX_TICKET_BYTES = 1 << 20
+
+
+class ExpstoreFlightServer(flight.FlightServerBase):
+    """Serve an experience store over Arrow Flight.
+
+    Args:
+        db: the DuckDB file (opened as an :class:`EmbeddedStore`), or an open store.
+        host, port: where to listen (port 0 picks a free one; see :attr:`port`).
+        tokens_file: JSON tokens file turning on bearer-token auth (see flight_server.auth).
+        tls_cert, tls_key: PEM files turning on TLS (``grpc+tls://``).
+        store_options: passed to :class:`EmbeddedStore`.
+    """
+
+    def __init__(self, db: str | EmbeddedStore, *, host: str = "127.0.0.1", port: int = 8815,
+                 tokens_file: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, **store_options: Any) -> None:
+        tls = None
+        scheme = "grpc"
+        if tls_cert or tls_key:
+            if not (tls_cert and tls_key):
+                raise InvalidArgument("TLS needs both a certificate and a key file")
+            with open(tls_cert, "rb") as c, open(tls_key, "rb") as k:
+                tls = [flight.CertKeyPair(c.read(), k.read())]
+            scheme = "grpc+tls"
+        middleware = {}
+        self.auth_enabled = tokens_file is not None
+        if tokens_file is not None:
+            middleware["auth"] = AuthMiddlewareFactory(load_tokens(tokens_file))
+        self._owns_store = not isinstance(db, EmbeddedStore)
+        self.store = EmbeddedStore(db, **store_options) if self._owns_store else db
+        try:
+            super().__init__(f"{scheme}://{host}:{port}", tls_certificates=tls,
+                             middleware=middleware)
+        except BaseException:
+            if self._owns_store:
+                self.store.close()
+            raise
+        self.host = host
+        self.scheme = scheme
+        self.flight_sql = _flight_sql_handler(self.store)
+
+    @property
+    def location(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}"
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _principal(self, context: flight.ServerCallContext, role: str, what: str) -> Principal:
+        principal = principal_of(context)
+        with flight_errors():
+            principal.require(role, what)
+        return principal
+
+    def _table_of(self, descriptor: flight.FlightDescriptor) -> str:
+        if descriptor.descriptor_type != flight.DescriptorType.PATH or len(descriptor.path) != 1:
+            raise InvalidArgument("expected a descriptor FlightDescriptor.for_path(<table>) with "
+                                  "one path element")
+        name = descriptor.path[0]
+        return name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
+
+    def _flight_info(self, table: str) -> flight.FlightInfo:
+        schema = self.store.write_schema(table)
+        descriptor = flight.FlightDescriptor.for_path(table)
+        ticket = flight.Ticket(json.dumps({"sql": f'SELECT * FROM "{table}"'}).encode())
+        endpoint = flight.FlightEndpoint(ticket, [])
+        return flight.FlightInfo(schema, descriptor, [endpoint], -1, -1)
+
+    # -- listing -----------------------------------------------------------------------------
+    def list_flights(self, context: flight.ServerCallContext, criteria: bytes) -> Iterator:
+        self._principal(context, "reader", "list_flights")
+        with flight_errors():
+            infos = [self._flight_info(t) for t in self.store.list_tables()]
+        yield from infos
+
+    def get_flight_info(self, context: flight.ServerCallContext,
+                        descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
+        self._principal(context, "reader", "get_flight_info")
+        with flight_errors():
+            if self.flight_sql is not None and self.flight_sql.is_flight_sql_descriptor(descriptor):
+                return self.flight_sql.get_flight_info(context, descriptor)
+            return self._flight_info(self._table_of(descriptor))
+
+    def get_schema(self, context: flight.ServerCallContext,
+                   descriptor: flight.FlightDescriptor) -> flight.SchemaResult:
+        self._principal(context, "reader", "get_schema")
+        with flight_errors():
+            if self.flight_sql is not None and self.flight_sql.is_flight_sql_descriptor(descriptor):
+                return self.flight_sql.get_schema(context, descriptor)
+            return flight.SchemaResult(self.store.write_schema(self._table_of(descriptor)))
+
+    # -- writes -------------------------------------------------------------------------------
+    def do_put(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
+               reader: flight.MetadataRecordBatchReader,
+               writer: flight.FlightMetadataWriter) -> None:
+        if self.flight_sql is not None and self.flight_sql.is_flight_sql_descriptor(descriptor):
+            self._principal(context, "reader", "flight sql")
+            with flight_errors():
+                return self.flight_sql.do_put(context, descriptor, reader, writer)
+        self._principal(context, "writer", "do_put")
+        with flight_errors():
+            table = self._table_of(descriptor)
+            live = self.store._live_table(table)
+            pending: deque[tuple[int, Future]] = deque()
+            index = 0
+            try:
+                for chunk in reader:
+                    if chunk.data is None or chunk.data.num_rows == 0:
+                        continue
+                    version = self.store._versions[live.tdef.version_group]
+                    prepared = prepare_put(live.tdef, chunk.data, version,
+                                           self.store.ref_threshold)
+                    pending.append((index, self.store._writer.submit(PutOp(prepared))))
+                    index += 1
+                    while len(pending) >= PUT_PIPELINE:
+                        self._answer_put(writer, *pending.popleft())
+            finally:
+                # Answer (or fail on) every batch already handed to the writer, in order.
+                while pending:
+                    self._answer_put(writer, *pending.popleft())
+
+    @staticmethod
+    def _answer_put(writer: flight.FlightMetadataWriter, index: int, future: Future) -> None:
+        result = future.result()
+        writer.write(pa.py_buffer(json.dumps({"batch": index, **result}).encode()))
+
+    # -- reads ---------------------------------------------------------------------------------
+    def do_get(self, context: flight.ServerCallContext,
+               ticket: flight.Ticket) -> flight.FlightDataStream:
+        if self.flight_sql is not None and self.flight_sql.is_flight_sql_ticket(ticket):
+            self._principal(context, "reader", "flight sql")
+            with flight_errors():
+                return self.flight_sql.do_get(context, ticket)
+        self._principal(context, "reader", "do_get")
+        with flight_errors():
+            raw = ticket.ticket
+            if len(raw) > MAX_TICKET_BYTES:
+                raise InvalidArgument(f"ticket of {len(raw)} bytes is larger than "
+                                      f"{MAX_TICKET_BYTES}")
+            try:
+                doc = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise InvalidArgument(f"ticket is not valid JSON: {e}; expected "
+                                      "{\"sql\": \"SELECT …\"}") from e
+            if not isinstance(doc, dict) or not isinstance(doc.get("sql"), str):
+                raise InvalidArgument("ticket must be a JSON object {\"sql\": \"SELECT …\", "
+                                      "\"params\"?: [...], \"timeout\"?: seconds}")
+            extra = set(doc) - {"sql", "params", "timeout"}
+            if extra:
+                raise InvalidArgument(f"ticket has unknown fields {sorted(extra)}")
+            timeout = doc.get("timeout")
+            if timeout is not None and (not isinstance(timeout, (int, float))
+                                        or isinstance(timeout, bool)
+                                        or not 0 < timeout <= self.store.query_timeout):
+                raise InvalidArgument(f"ticket timeout {timeout!r} is invalid; expected seconds "
+                                      f"in (0, {self.store.query_timeout}]")
+            result = self.store.query(doc["sql"], doc.get("params"), timeout=timeout)
+            return flight.RecordBatchStream(result)
+
+    # -- subscriptions --------------------------------------------------------------------------
+    def do_exchange(self, context: flight.ServerCallContext,
+                    descriptor: flight.FlightDescriptor,
+                    reader: flight.MetadataRecordBatchReader,
+                    writer: flight.MetadataRecordBatchWriter) -> None:
+        principal = self._principal(context, "writer", "do_exchange")
+        with flight_errors():
+            if descriptor.descriptor_type != flight.DescriptorType.CMD:
+                raise InvalidArgument("do_exchange expects FlightDescriptor.for_command("
+                                      "'{\"subscribe\": {…}}')")
+            options = parse_subscribe(descriptor.command)
+            session = ExchangeSession(self.store, principal, options, reader, writer)
+        try:
+            session.run()
+        except flight.FlightError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken client stream ends the session
+            log.debug("subscription ended: %s", e)
+
+    # -- actions ---------------------------------------------------------------------------------
+    def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
+        actions = [(a.name, f"[{a.role}] {a.description}") for a in ACTIONS.values()]
+        if self.flight_sql is not None:
+            actions += [(a.type, a.description) for a in self.flight_sql.list_actions()]
+        return actions
+
+    def do_action(self, context: flight.ServerCallContext,
+                  action: flight.Action) -> Iterator[bytes]:
+        if self.flight_sql is not None and self.flight_sql.is_flight_sql_action(action.type):
+            self._principal(context, "reader", "flight sql")
+            with flight_errors():
+                results = list(self.flight_sql.do_action(context, action))
+            yield from results
+            return
+        spec = ACTIONS.get(action.type)
+        if spec is None:
+            raise to_flight(NotFound(f"unknown action {action.type!r}; actions: "
+                                     f"{sorted(ACTIONS)}"))
+        self._principal(context, spec.role, action.type)
+        with flight_errors():
+            body = parse_body(action.body.to_pybytes() if action.body else b"", action.type)
+            result = spec.handler(self.store, body)
+            if isinstance(result, list) and all(isinstance(r, bytes) for r in result):
+                out = result
+            else:
+                out = [json.dumps(result, default=str).encode()]
+        yield from out
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop serving and close the store (if this server opened it)."""
+        try:
+            self.shutdown()
+        finally:
+            if self._owns_store:
+                self.store.close()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _flight_sql_handler(store: EmbeddedStore) -> Any:
+    """The Flight SQL handler, when that part of the server is installed."""
+    try:
+        from .sql_executor import make_handler
+    except ImportError:  # protobuf missing: our own protocol still works
+        log.warning("Flight SQL is off: %s", "protobuf is not installed")
+        return None
+    return make_handler(store)

@@ -1,0 +1,185 @@
+"""The client side of a ``do_exchange`` subscription (see flight_server/exchange.py).
+
+A reader thread receives the server's messages: micro-batches go to a queue the iterator reads,
+answers to acks, nacks and bumps resolve the futures their callers wait on. No polling: the
+server pushes a micro-batch as soon as enough rows are ready.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from store.errors import ERROR_CLASSES, ExpstoreError, InvalidArgument, StoreClosed
+
+from .errors import from_flight
+
+
+@dataclass
+class RemoteMicroBatch:
+    data: pa.Table
+    table: str
+    claim_id: str
+    index: int
+    is_boundary: bool
+    version: int
+    global_batch: int
+    _sub: "RemoteSubscription"
+
+    @property
+    def num_rows(self) -> int:
+        return self.data.num_rows
+
+    def ack(self) -> dict[str, Any]:
+        return self._sub._request({"type": "ack", "claim_id": self.claim_id})
+
+    def nack(self) -> dict[str, Any]:
+        return self._sub._request({"type": "nack", "claim_id": self.claim_id})
+
+
+class RemoteSubscription:
+    """Iterator of micro-batches pushed by the server; same interface as
+    :class:`store.subscription.Subscription`."""
+
+    def __init__(self, remote: Any, table: str, micro_batch_size: int, global_batch_size: int,
+                 *, idle_timeout: float | None = None, **options: Any) -> None:
+        self.table = table
+        self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.idle_timeout = idle_timeout
+        command = {"subscribe": {"table": table, "micro_batch_size": micro_batch_size,
+                                 "global_batch_size": global_batch_size,
+                                 **{k: v for k, v in options.items() if v is not None}}}
+        descriptor = flight.FlightDescriptor.for_command(json.dumps(command).encode())
+        try:
+            self._writer, self._reader = remote._client.do_exchange(
+                descriptor, remote._options(None))
+            first = self._reader.read_chunk()
+        except (flight.FlightError, pa.ArrowException) as e:
+            raise from_flight(e) from None
+        hello = json.loads(first.app_metadata.to_pybytes())
+        self.version = int(hello["version"])
+        self.global_batch = 0
+        self._batches: queue.Queue[RemoteMicroBatch | BaseException | None] = queue.Queue()
+        self._pending: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._at_boundary = False
+        self._thread = threading.Thread(target=self._receive, name="expstore-subscriber",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- receiving -------------------------------------------------------------------------
+    def _receive(self) -> None:
+        error: BaseException | None = None
+        try:
+            while True:
+                chunk = self._reader.read_chunk()
+                meta = json.loads(chunk.app_metadata.to_pybytes()) if chunk.app_metadata else {}
+                if meta.get("type") == "micro_batch":
+                    data = pa.Table.from_batches([chunk.data])
+                    self._batches.put(RemoteMicroBatch(
+                        data, self.table, meta["claim_id"], meta["index"], meta["is_boundary"],
+                        meta["version"], meta["global_batch"], self))
+                else:
+                    future = self._pending.pop(meta.get("request"), None)
+                    if future is not None:
+                        future.set_result(meta)
+        except StopIteration:
+            pass
+        except (flight.FlightError, pa.ArrowException) as e:
+            if not self._closed:
+                error = from_flight(e)
+        finally:
+            for future in list(self._pending.values()):
+                if not future.done():
+                    future.set_exception(error or StoreClosed("the subscription stream ended"))
+            self._pending.clear()
+            self._batches.put(error)
+
+    def _request(self, msg: dict[str, Any], timeout: float | None = 120.0) -> dict[str, Any]:
+        if self._closed:
+            raise StoreClosed("the subscription is closed")
+        request = next(self._ids)
+        future: Future = Future()
+        self._pending[request] = future
+        with self._lock:
+            self._writer.write_metadata(pa.py_buffer(json.dumps({**msg, "request": request})
+                                                     .encode()))
+        answer = future.result(timeout)
+        if answer.get("type") == "error":
+            raise ERROR_CLASSES.get(answer.get("code"), ExpstoreError)(answer.get("message"))
+        return answer
+
+    # -- the iterator ---------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[RemoteMicroBatch]:
+        return self
+
+    def __next__(self) -> RemoteMicroBatch:
+        batch = self.next(self.idle_timeout)
+        if batch is None:
+            raise StopIteration
+        return batch
+
+    def next(self, timeout: float | None = None) -> RemoteMicroBatch | None:
+        if self._at_boundary:
+            raise InvalidArgument("the global batch is complete: call bump_version() (or "
+                                  "resume()) before asking for the next micro-batch")
+        try:
+            item = self._batches.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item is None or isinstance(item, BaseException):
+            self._batches.put(item)  # later calls see the end too
+            if isinstance(item, BaseException):
+                raise item
+            return None
+        if item.is_boundary:
+            self._at_boundary = True
+        return item
+
+    @property
+    def at_boundary(self) -> bool:
+        return self._at_boundary
+
+    def bump_version(self, weights_uri: str | None = None) -> int:
+        answer = self._request({"type": "bump", "weights_uri": weights_uri})
+        self.version = int(answer["version"])
+        self.global_batch += 1
+        self._at_boundary = False
+        return self.version
+
+    def resume(self) -> None:
+        self._request({"type": "resume"})
+        self.global_batch += 1
+        self._at_boundary = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            with self._lock:
+                self._writer.write_metadata(pa.py_buffer(b'{"type": "close"}'))
+                self._writer.done_writing()
+        except (flight.FlightError, pa.ArrowException):
+            pass
+        self._closed = True
+        self._thread.join(timeout=10)
+        try:
+            self._writer.close()
+        except (flight.FlightError, pa.ArrowException):
+            pass
+
+    def __enter__(self) -> "RemoteSubscription":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,200 @@
+"""Micro-batch subscriptions: the trainer's side of FlexMARL's fine-grained pipeline.
+
+A subscription hands out micro-batches as soon as enough rows are ready, counts them into global
+batches, and marks the last micro-batch of each global batch (``is_boundary``): the gradient
+accumulation boundary. It then delivers nothing more until the trainer bumps the version
+(:meth:`Subscription.bump_version`) or calls :meth:`Subscription.resume`, so that no sample of the
+next global batch is claimed under the old weights.
+
+>>> import store, tempfile, os
+>>> s = store.connect(os.path.join(tempfile.mkdtemp(), "x.duckdb"))
+>>> _ = s.create_table("agent", {"reward": "float64"})
+>>> _ = s.put("agent", {"sample_id": [f"q{i}_0_0" for i in range(4)], "reward": [1.0] * 4})
+>>> sub = s.subscribe("agent", micro_batch_size=2, global_batch_size=4, idle_timeout=1)
+>>> for mb in sub:
+...     mb.ack()
+...     if mb.is_boundary:
+...         version = sub.bump_version()
+...         break
+>>> version
+1
+>>> s.close()
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol
+
+import pyarrow as pa
+
+from .claims import Claim
+from .errors import InvalidArgument
+
+
+class _Store(Protocol):
+    def claim(self, table: str, limit: int, **kw: Any) -> Claim: ...
+    def ack(self, claim_id: str) -> dict[str, Any]: ...
+    def nack(self, claim_id: str) -> dict[str, Any]: ...
+    def get_version(self, table: str) -> int: ...
+    def bump_version(self, table: str, *, expected: int | None = None,
+                     weights_uri: str | None = None) -> int: ...
+    def wait_changed(self, since: int, timeout: float) -> int: ...
+    @property
+    def change_seq(self) -> int: ...
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch: feed it to one gradient-accumulation step, then :meth:`ack` it."""
+
+    data: pa.Table
+    table: str
+    claim_id: str
+    index: int
+    is_boundary: bool
+    version: int
+    global_batch: int
+    _sub: "Subscription"
+
+    @property
+    def num_rows(self) -> int:
+        return self.data.num_rows
+
+    def ack(self) -> dict[str, Any]:
+        return self._sub._settle(self, ack=True)
+
+    def nack(self) -> dict[str, Any]:
+        return self._sub._settle(self, ack=False)
+
+
+class Subscription:
+    """Iterator of :class:`MicroBatch` over one table (see the module docstring).
+
+    Args:
+        micro_batch_size: rows per micro-batch (a multiple of ``group_size`` for group claims).
+        global_batch_size: rows per global batch (a multiple of ``micro_batch_size``).
+        where, group_by, group_size: as for :meth:`store.embedded.EmbeddedStore.claim`.
+        max_in_flight: micro-batches handed out and not yet acked or nacked.
+        idle_timeout: stop iterating after this many seconds without a micro-batch (None: never).
+    """
+
+    def __init__(self, store: _Store, table: str, micro_batch_size: int, global_batch_size: int,
+                 *, where: str | None = None, group_by: str | None = None,
+                 group_size: int | None = None, consumer: str | None = None,
+                 max_in_flight: int = 2, lease_seconds: float | None = None,
+                 idle_timeout: float | None = None) -> None:
+        for label, value in (("micro_batch_size", micro_batch_size),
+                             ("global_batch_size", global_batch_size),
+                             ("max_in_flight", max_in_flight)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgument(f"{label} {value!r} is invalid; expected an integer ≥ 1")
+        if global_batch_size % micro_batch_size:
+            raise InvalidArgument(f"global_batch_size {global_batch_size} is not a multiple of "
+                                  f"micro_batch_size {micro_batch_size}")
+        if group_size and micro_batch_size % group_size:
+            raise InvalidArgument(f"micro_batch_size {micro_batch_size} is not a multiple of "
+                                  f"group_size {group_size}: groups are never split")
+        self._store = store
+        self.table = table
+        self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.micro_batches_per_global = global_batch_size // micro_batch_size
+        self._claim_args = {"where": where, "group_by": group_by, "group_size": group_size,
+                            "consumer": consumer or "subscription",
+                            "lease_seconds": lease_seconds, "min_rows": micro_batch_size}
+        self.max_in_flight = max_in_flight
+        self.idle_timeout = idle_timeout
+        self.version = store.get_version(table)
+        self.global_batch = 0
+        self._index = 0
+        self._paused = False
+        self._in_flight: dict[str, MicroBatch] = {}
+        self._closed = False
+
+    # -- iteration ---------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[MicroBatch]:
+        return self
+
+    def __next__(self) -> MicroBatch:
+        batch = self.next(timeout=self.idle_timeout)
+        if batch is None:
+            raise StopIteration
+        return batch
+
+    def next(self, timeout: float | None = None) -> MicroBatch | None:
+        """The next micro-batch, waiting up to ``timeout`` seconds (None: forever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._closed:
+            if self._paused:
+                raise InvalidArgument(
+                    "the global batch is complete: call bump_version() (or resume()) before "
+                    "asking for the next micro-batch")
+            if len(self._in_flight) >= self.max_in_flight:
+                raise InvalidArgument(f"{len(self._in_flight)} micro-batches are in flight "
+                                      f"(max_in_flight={self.max_in_flight}); ack or nack one "
+                                      "first")
+            seen = self._store.change_seq
+            claim = self._store.claim(self.table, self.micro_batch_size, **self._claim_args)
+            if claim:
+                return self._deliver(claim)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            # No polling loop: sleep until the store commits something (a put, nack, expiry).
+            self._store.wait_changed(seen, 1.0 if remaining is None else min(remaining, 1.0))
+        return None
+
+    def _deliver(self, claim: Claim) -> MicroBatch:
+        boundary = self._index == self.micro_batches_per_global - 1
+        batch = MicroBatch(claim.data, self.table, claim.claim_id, self._index, boundary,
+                           self.version, self.global_batch, self)
+        self._in_flight[claim.claim_id] = batch
+        self._index += 1
+        if boundary:
+            self._paused = True
+        return batch
+
+    def _settle(self, batch: MicroBatch, ack: bool) -> dict[str, Any]:
+        result = (self._store.ack if ack else self._store.nack)(batch.claim_id)
+        self._in_flight.pop(batch.claim_id, None)
+        if not ack:
+            # The rows come back; this micro-batch's slot in the global batch is free again.
+            self._index -= 1
+            self._paused = False
+        return result
+
+    # -- the accumulation boundary -------------------------------------------------------------
+    def bump_version(self, weights_uri: str | None = None) -> int:
+        """After the optimizer step at a boundary: bump (compare-and-set) and start the next
+        global batch."""
+        new = self._store.bump_version(self.table, expected=self.version, weights_uri=weights_uri)
+        self.version = new
+        self.resume()
+        return new
+
+    def resume(self) -> None:
+        """Start the next global batch without bumping (off-policy trainers)."""
+        self.global_batch += 1
+        self._index = 0
+        self._paused = False
+
+    @property
+    def at_boundary(self) -> bool:
+        return self._paused
+
+    def close(self) -> None:
+        """Nack what is still in flight and stop iterating."""
+        self._closed = True
+        for claim_id in list(self._in_flight):
+            try:
+                self._store.nack(claim_id)
+            except Exception:  # noqa: BLE001 - a lease that already ended needs nothing
+                pass
+            self._in_flight.pop(claim_id, None)
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
