@@ -149,12 +149,7 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
 
     keys = list(zip(sid.to_pylist(), versions.to_pylist()))
     if len(set(keys)) != n:
-        # Several writes of one sample in one batch: the last one wins, as if sent in order.
-        last: dict[tuple[str, int], int] = {}
-        for i, k in enumerate(keys):
-            last[k] = i
-        keep = pa.array(sorted(last.values()), pa.int64())
-        table = table.take(keep)
+        table = _merge_duplicates(table, keys)
         return prepare_put(tdef, table, current_version, ref_threshold)
 
     columns: dict[str, pa.Array] = {
@@ -196,6 +191,24 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
     physical = pa.table(columns)
     return PreparedPut(tdef.name, physical, keys, data_columns, status_columns, chunks,
                        set_mask, clear_mask, "policy_version" in names, nbytes)
+
+
+def _merge_duplicates(table: pa.Table, keys: list[tuple[str, int]]) -> pa.Table:
+    """Several writes of one sample in one batch: merge them in order, as if sent one by one
+    (a later non-null value wins, a null leaves the earlier value)."""
+    rows = table.to_pylist()
+    merged: dict[tuple[str, int], dict[str, Any]] = {}
+    for key, row in zip(keys, rows):
+        into = merged.setdefault(key, {})
+        for column, value in row.items():
+            if value is not None or column not in into:
+                into[column] = value
+    for key, row in merged.items():
+        row["policy_version"] = key[1]
+    schema = table.schema
+    if "policy_version" not in schema.names:
+        schema = schema.append(pa.field("policy_version", pa.int64()))
+    return pa.Table.from_pylist(list(merged.values()), schema=schema)
 
 
 def _as_type(table: pa.Table, name: str, target: pa.DataType) -> pa.Array:
