@@ -12,7 +12,7 @@ next global batch is claimed under the old weights.
 >>> _ = s.put("agent", {"sample_id": [f"q{i}_0_0" for i in range(4)], "reward": [1.0] * 4})
 >>> sub = s.subscribe("agent", micro_batch_size=2, global_batch_size=4, idle_timeout=1)
 >>> for mb in sub:
-...     mb.ack()
+...     _ = mb.ack()
 ...     if mb.is_boundary:
 ...         version = sub.bump_version()
 ...         break
