@@ -33,6 +33,7 @@ from .actions import ACTIONS, parse_body
 from .auth import AuthMiddlewareFactory, Principal, load_tokens, principal_of
 from .errors import flight_errors, to_flight
 from .exchange import ExchangeSession, parse_subscribe
+from .metrics import Metrics
 
 log = logging.getLogger("expstore.server")
 
@@ -50,12 +51,14 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         host, port: where to listen (port 0 picks a free one; see :attr:`port`).
         tokens_file: JSON tokens file turning on bearer-token auth (see flight_server.auth).
         tls_cert, tls_key: PEM files turning on TLS (``grpc+tls://``).
+        metrics_port: serve Prometheus metrics over HTTP on this port (0: a free one).
         store_options: passed to :class:`EmbeddedStore`.
     """
 
     def __init__(self, db: str | EmbeddedStore, *, host: str = "127.0.0.1", port: int = 8815,
                  tokens_file: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, **store_options: Any) -> None:
+                 tls_key: str | None = None, metrics_port: int | None = None,
+                 **store_options: Any) -> None:
         tls = None
         scheme = "grpc"
         if tls_cert or tls_key:
@@ -80,6 +83,9 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         self.host = host
         self.scheme = scheme
         self.flight_sql = _flight_sql_handler(self.store)
+        self.metrics = Metrics(self.store)
+        self.metrics_port = self.metrics.serve(metrics_port, host) if metrics_port is not None \
+            else None
 
     @property
     def location(self) -> str:
@@ -138,7 +144,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
             with flight_errors():
                 return self.flight_sql.do_put(context, descriptor, reader, writer)
         self._principal(context, "writer", "do_put")
-        with flight_errors():
+        with flight_errors(), self.metrics.timed("do_put"):
             table = self._table_of(descriptor)
             live = self.store._live_table(table)
             pending: deque[tuple[int, Future]] = deque()
@@ -172,7 +178,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
             with flight_errors():
                 return self.flight_sql.do_get(context, ticket)
         self._principal(context, "reader", "do_get")
-        with flight_errors():
+        with flight_errors(), self.metrics.timed("do_get"):
             raw = ticket.ticket
             if len(raw) > MAX_TICKET_BYTES:
                 raise InvalidArgument(f"ticket of {len(raw)} bytes is larger than "
@@ -236,7 +242,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
             raise to_flight(NotFound(f"unknown action {action.type!r}; actions: "
                                      f"{sorted(ACTIONS)}"))
         self._principal(context, spec.role, action.type)
-        with flight_errors():
+        with flight_errors(), self.metrics.timed(action.type):
             body = parse_body(action.body.to_pybytes() if action.body else b"", action.type)
             result = spec.handler(self.store, body)
             if isinstance(result, list) and all(isinstance(r, bytes) for r in result):

@@ -97,6 +97,11 @@ class EmbeddedStore:
             self._claims[lease.claim_id] = lease
             heapq.heappush(self._expiry, (lease.expires_at, lease.claim_id))
         self._closed = False
+        #: Monotonic counters for monitoring (flight_server.metrics exports them).
+        self.counters: dict[str, int] = {
+            "rows_put": 0, "puts": 0, "claims": 0, "rows_claimed": 0, "acks": 0,
+            "rows_acked": 0, "nacks": 0, "leases_expired": 0, "redeliveries": 0,
+            "dead_letters": 0, "stale_rows": 0, "version_bumps": 0}
         self._writer = Writer(self, self._con)
 
     # -- tables --------------------------------------------------------------------------------
@@ -216,6 +221,10 @@ class EmbeddedStore:
                                self.ref_threshold)
         return self._writer.call(PutOp(prepared), timeout)
 
+    def _count_put(self, rows: int) -> None:
+        self.counters["puts"] += 1
+        self.counters["rows_put"] += rows
+
     # -- claims --------------------------------------------------------------------------------
     def claim(self, table: str, limit: int, *, where: str | None = None,
               group_by: str | None = None, group_size: int | None = None,
@@ -272,6 +281,9 @@ class EmbeddedStore:
                                            row.deliveries, False, False)
             self._claims[lease.claim_id] = lease
             heapq.heappush(self._expiry, (lease.expires_at, lease.claim_id))
+            self.counters["claims"] += 1
+            self.counters["rows_claimed"] += len(lease.rows)
+            self.counters["redeliveries"] += sum(1 for _, r in lease.rows if r.deliveries > 1)
         self._writer.poke()
         try:
             tables = {live.tdef.name: self._fetch(live, rows) for live, rows in zip(lives, picks)}
@@ -430,6 +442,11 @@ class EmbeddedStore:
                     self._release_row(live, row)
                 else:
                     live.forget(row)
+                    if outcome in ("dead", "stale"):
+                        self.counters["dead_letters" if outcome == "dead" else "stale_rows"] += 1
+        self.counters["acks" if ack else "nacks"] += 1
+        if ack:
+            self.counters["rows_acked"] += len(lease.rows)
         if ack:
             _remember(self._recent_acked, lease.claim_id, len(lease.rows))
         else:
@@ -452,6 +469,8 @@ class EmbeddedStore:
                 pending[row.row_id] = (row.row_id, False, None, None, None, row.deliveries,
                                        outcome == "stale", outcome == "dead")
         self._settled(lease, plan, ack=False)
+        self.counters["nacks"] -= 1
+        self.counters["leases_expired"] += 1
         self._recent_expired[lease.claim_id] = "its lease expired"
         self._notify()
 

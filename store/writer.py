@@ -117,6 +117,10 @@ class Writer:
     def call(self, op: Op, timeout: float | None = None) -> Any:
         return self.submit(op).result(timeout)
 
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
     def poke(self) -> None:
         """Ask for a flush of lease bookkeeping soon (never blocks)."""
         if not self._flush_pending and not self._closed:
@@ -266,6 +270,7 @@ class Writer:
             self._check_versions(live, p)
             physical = self._with_blob_keys(p)
             results[i] = {"rows": p.rows, "version": store._versions[live.tdef.version_group]}
+            txn.applies.append(lambda rows=p.rows: store._count_put(rows))
             if batch and (batch[0][0].signature() != p.signature()
                           or not batch_keys.isdisjoint(p.keys)):
                 self._write_rows(txn, batch)
@@ -492,6 +497,7 @@ class Writer:
                 stale.append((live, rows))
 
         def apply() -> None:
+            store.counters["version_bumps"] += 1
             store._versions[op.group] = new
             store._weights[op.group] = op.weights_uri
             for live, rows in stale:
