@@ -244,7 +244,10 @@ class EmbeddedStore:
             raise InvalidArgument("claim_many needs at least one claim request")
         requests = [r.validated() for r in requests]
         if len({r.table for r in requests}) != len(requests):
-            raise InvalidArgument("claim_many names a table twice; give one request per table")
+            names = [r.table for r in requests]
+            twice = next(n for n in names if names.count(n) > 1)
+            raise InvalidArgument(f"claim_many names table {twice!r} twice; give one request "
+                                  "per table")
         if lease_seconds is not None and (not isinstance(lease_seconds, (int, float))
                                           or not 0 < lease_seconds <= 86400):
             raise InvalidArgument(f"lease_seconds {lease_seconds!r} is invalid; expected a "
@@ -329,6 +332,13 @@ class EmbeddedStore:
                "WHERE row_id IN (SELECT unnest(?::BIGINT[])) "
                "ORDER BY policy_version, input_id, turn, trajectory_id")
         table = self._reader().sql(sql, params=[[r.row_id for r in rows]]).to_arrow_table()
+        # The lease columns reach DuckDB only at the next group commit, so the stored
+        # delivery_count may not count this delivery yet: report the in-memory count.
+        deliveries = {r.key: r.deliveries for r in rows}
+        keys = zip(table.column("sample_id").to_pylist(),
+                   table.column("policy_version").to_pylist())
+        table = table.set_column(table.schema.get_field_index("delivery_count"), "delivery_count",
+                                 pa.array([deliveries[k] for k in keys], pa.int32()))
         return self._resolve_refs(table).cast(tdef.claim_schema())
 
     def _resolve_refs(self, table: pa.Table) -> pa.Table:
