@@ -96,6 +96,9 @@ class EmbeddedStore:
         for lease in state.leases:
             self._claims[lease.claim_id] = lease
             heapq.heappush(self._expiry, (lease.expires_at, lease.claim_id))
+        for claim_id in state.ended:
+            _remember(self._recent_expired, claim_id, "its lease ended before the store "
+                      "restarted")
         self._closed = False
         #: Monotonic counters for monitoring (flight_server.metrics exports them).
         self.counters: dict[str, int] = {
@@ -321,25 +324,41 @@ class EmbeddedStore:
         return set(rows.column(0).to_pylist())
 
     def _fetch(self, live: LiveTable, rows: list[Row]) -> pa.Table:
+        """The claim's rows, from the payload cache where possible (no DuckDB read)."""
         tdef = live.tdef
-        cols = list(CLAIM_META)
-        for c in tdef.columns:
-            cols.append(c.name)
-            if c.ref:
-                cols.append(c.ref)
-        cols += tdef.status_columns
-        sql = (f"SELECT {', '.join(map(quote, cols))} FROM {quote(tdef.name)} "
-               "WHERE row_id IN (SELECT unnest(?::BIGINT[])) "
-               "ORDER BY policy_version, input_id, turn, trajectory_id")
-        table = self._reader().sql(sql, params=[[r.row_id for r in rows]]).to_arrow_table()
-        # The lease columns reach DuckDB only at the next group commit, so the stored
-        # delivery_count may not count this delivery yet: report the in-memory count.
-        deliveries = {r.key: r.deliveries for r in rows}
-        keys = zip(table.column("sample_id").to_pylist(),
-                   table.column("policy_version").to_pylist())
-        table = table.set_column(table.schema.get_field_index("delivery_count"), "delivery_count",
-                                 pa.array([deliveries[k] for k in keys], pa.int32()))
-        return self._resolve_refs(table).cast(tdef.claim_schema())
+        missing = [r for r in rows if r.payload is None]
+        if missing:
+            loaded = self.load_payloads(live, [r.row_id for r in missing])
+            for r in missing:
+                r.payload = loaded.get(r.row_id)
+        pieces = []
+        for r in rows:
+            if r.payload is None:
+                raise StorageError(f"row {r.sample_id!r} (version {r.version}) of "
+                                   f"{tdef.name!r} vanished while being claimed")
+            table, index = r.payload
+            pieces.append(table.slice(index, 1))
+        data = pa.concat_tables(pieces).combine_chunks()
+        at = data.schema.get_field_index("finished_version") + 1
+        data = data.add_column(at, "delivery_count",
+                               pa.array([r.deliveries for r in rows], pa.int32()))
+        return self._resolve_refs(data).cast(tdef.claim_schema())
+
+    def load_payloads(self, live: LiveTable, row_ids: list[int]) -> dict[int, tuple[pa.Table, int]]:
+        """Read rows' claimable values from DuckDB into the payload form."""
+        if not row_ids:
+            return {}
+        schema = live.tdef.payload_schema()
+        # The range lets DuckDB skip row groups by their zone maps: rows are usually claimed
+        # roughly in arrival order, so their ids are close together.
+        sql = (f"SELECT row_id, {', '.join(map(quote, schema.names))} FROM "
+               f"{quote(live.tdef.name)} WHERE row_id BETWEEN ? AND ? AND "
+               "list_contains(?::BIGINT[], row_id)")
+        table = self._reader().sql(sql, params=[min(row_ids), max(row_ids), row_ids]
+                                   ).to_arrow_table()
+        ids = table.column("row_id").to_pylist()
+        table = table.drop_columns(["row_id"]).cast(schema)
+        return {rid: (table, i) for i, rid in enumerate(ids)}
 
     def _resolve_refs(self, table: pa.Table) -> pa.Table:
         """Replace ``X`` + ``X__ref`` column pairs by ``X`` with the blob values filled in."""

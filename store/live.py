@@ -14,7 +14,7 @@ All methods here are called with the store's index lock held.
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from .schema import TableDef
 
@@ -28,7 +28,7 @@ class Row:
     """One live row's bookkeeping (its data stays in DuckDB and the blob store)."""
 
     __slots__ = ("row_id", "sample_id", "version", "input_id", "turn", "trajectory_id", "mask",
-                 "state", "lease", "deliveries")
+                 "state", "lease", "deliveries", "payload")
 
     def __init__(self, row_id: int, sample_id: str, version: int, input_id: str, turn: int,
                  trajectory_id: int, mask: int = 0, deliveries: int = 0) -> None:
@@ -42,6 +42,8 @@ class Row:
         self.state = PENDING
         self.lease: Lease | None = None
         self.deliveries = deliveries
+        # (table, index): the row's claimable values, cached so that claims need no DuckDB read.
+        self.payload: tuple[Any, int] | None = None
 
     @property
     def key(self) -> Key:
@@ -91,10 +93,8 @@ class LiveTable:
         self._heap: list[GroupKey] = []
         self.ready_count = 0
         self.leased_count = 0
-
-    @property
-    def required_mask(self) -> int:
-        return self.tdef.required_mask
+        self.required_mask = tdef.required_mask
+        self.payload_schema = tdef.payload_schema()
 
     # -- state transitions ---------------------------------------------------------------------
     def is_complete(self, row: Row) -> bool:
@@ -139,6 +139,7 @@ class LiveTable:
 
     def forget(self, row: Row) -> None:
         """Drop a row that reached a terminal state (consumed, stale, dead)."""
+        row.payload = None
         if row.state == READY:
             self.unready(row)
         elif row.state == LEASED:

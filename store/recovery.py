@@ -24,6 +24,9 @@ class State:
     weights: dict[str, str | None] = field(default_factory=dict)
     terminal_possible: set[str] = field(default_factory=set)
     leases: list[Lease] = field(default_factory=list)
+    #: Claim ids whose lease ended before the restart (expired, nacked, or voided by the crash):
+    #: a late ack or nack of one is refused with LeaseExpired, not reported as unknown.
+    ended: list[str] = field(default_factory=list)
 
 
 def load_state(con: duckdb.DuckDBPyConnection) -> State:
@@ -36,6 +39,7 @@ def load_state(con: duckdb.DuckDBPyConnection) -> State:
         state.weights[group] = uri
     now = time.time()
     leases: dict[str, Lease] = {}
+    ended: set[str] = set()
     for name, definition in con.execute(
             "SELECT name, definition FROM _expstore_tables ORDER BY name").fetchall():
         tdef = TableDef.from_json(definition)
@@ -72,8 +76,12 @@ def load_state(con: duckdb.DuckDBPyConnection) -> State:
                     live.lease_row(row, lease)
                     row.deliveries -= 1  # lease_row counts a delivery; this one was counted
                     lease.rows.append((live, row))
-                elif live.is_complete(row):
+                    continue
+                if lease_id:
+                    ended.add(lease_id)
+                if live.is_complete(row):
                     live.make_ready(row)
         state.live[name] = live
     state.leases = list(leases.values())
+    state.ended = sorted(ended - leases.keys())
     return state

@@ -182,6 +182,18 @@ class TableDef:
         fields += [pa.field(c.status, pa.bool_()) for c in self.columns]
         return pa.schema(fields, metadata={"expstore.table": self.name})
 
+    def payload_schema(self) -> pa.Schema:
+        """Claimable values as cached in memory: claim columns but ``delivery_count`` (which
+        changes), with blob keys in ``<col>__ref`` still unresolved."""
+        meta = {n: t for n, _, t in META_COLUMNS}
+        fields = [pa.field(n, meta[n]) for n in CLAIM_META if n != "delivery_count"]
+        for c in self.columns:
+            fields.append(pa.field(c.name, c.type))
+            if c.ref:
+                fields.append(pa.field(c.ref, pa.large_string()))
+        fields += [pa.field(c.status, pa.bool_()) for c in self.columns]
+        return pa.schema(fields)
+
     def write_schema(self) -> pa.Schema:
         """What a producer may send: ``sample_id``, optional versions, data and status columns."""
         fields = [pa.field("sample_id", pa.large_string(), nullable=False),

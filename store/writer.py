@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .blobs import keys_for
 from .errors import ExpstoreError, NotFound, StaleVersion, StorageError, StoreClosed, \
@@ -38,6 +39,9 @@ log = logging.getLogger("expstore.writer")
 
 MAX_GROUP_OPS = 512
 CHECKPOINT_IDLE_SECONDS = 2.0
+# Lease bookkeeping written by claims is soft state: write it at most this often on its own
+# (it rides along for free whenever another change commits sooner).
+LEASE_FLUSH_DELAY = 0.25
 
 
 @dataclass
@@ -75,11 +79,6 @@ class CallOp(Op):
     apply: Callable[[Any], Any] | None = None
 
 
-@dataclass
-class FlushOp(Op):
-    """Wakes the writer to write lease bookkeeping that claims left in memory."""
-
-
 class _Txn:
     """Effects of one group transaction, applied to memory after the commit."""
 
@@ -87,6 +86,9 @@ class _Txn:
         self.applies: list[Callable[[], None]] = []
         self.new_rows: dict[tuple[str, tuple[str, int]], int] = {}
         self.next_row_id: dict[str, int] = {}
+        # Rows that became ready without their values at hand (partial writes): their payload is
+        # read from DuckDB once, after the commit, so claims need no read of their own.
+        self.need_payload: list[tuple[LiveTable, Row]] = []
 
 
 class Writer:
@@ -96,7 +98,7 @@ class Writer:
         self._store = store
         self._con = con
         self._queue: queue.Queue[Op | None] = queue.Queue()
-        self._flush_pending = False
+        self._flush_due: float | None = None
         self._closed = False
         self._fatal: BaseException | None = None
         self.commits = 0
@@ -122,10 +124,9 @@ class Writer:
         return self._queue.qsize()
 
     def poke(self) -> None:
-        """Ask for a flush of lease bookkeeping soon (never blocks)."""
-        if not self._flush_pending and not self._closed:
-            self._flush_pending = True
-            self._queue.put(FlushOp())
+        """Ask for a flush of lease bookkeeping within LEASE_FLUSH_DELAY (never blocks)."""
+        if self._flush_due is None:
+            self._flush_due = time.monotonic() + LEASE_FLUSH_DELAY
 
     def close(self) -> None:
         if self._closed:
@@ -138,12 +139,17 @@ class Writer:
     def _loop(self) -> None:
         while True:
             timeout = self._store._next_expiry_in()
+            timeout = CHECKPOINT_IDLE_SECONDS if timeout is None else min(
+                timeout, CHECKPOINT_IDLE_SECONDS)
+            if self._flush_due is not None:
+                timeout = max(0.0, min(timeout, self._flush_due - time.monotonic()))
             try:
-                first = self._queue.get(timeout=timeout if timeout is not None
-                                        else CHECKPOINT_IDLE_SECONDS)
+                first = self._queue.get(timeout=timeout)
             except queue.Empty:
                 self._store._expire_leases()
-                if self._store._has_pending_row_updates():
+                due = self._flush_due is not None and time.monotonic() >= self._flush_due
+                if due or (self._flush_due is None and self._store._has_pending_row_updates()):
+                    self._flush_due = None
                     self._run_group([])
                 self._maybe_checkpoint()
                 continue
@@ -161,7 +167,7 @@ class Writer:
                 else:
                     ops.append(nxt)
             self._store._expire_leases()
-            self._flush_pending = False
+            self._flush_due = None  # this group writes any pending lease bookkeeping too
             if ops or self._store._has_pending_row_updates():
                 self._run_group(ops)
             if stop:
@@ -190,7 +196,7 @@ class Writer:
 
     def _run_group(self, ops: list[Op]) -> None:
         try:
-            results = self._transaction(ops)
+            results, txn = self._transaction(ops)
         except Exception as group_error:  # noqa: BLE001 - isolate the culprit below
             if len(ops) <= 1:
                 for op in ops:
@@ -200,17 +206,36 @@ class Writer:
                 return
             for op in ops:
                 try:
-                    (result,) = self._transaction([op])
+                    (result,), txn = self._transaction([op])
                 except Exception as e:  # noqa: BLE001
                     _fail(op, e)
                 else:
                     op.future.set_result(result)
+                    self._fill_payloads(txn)
             return
         for op, result in zip(ops, results):
             if not op.future.done():
                 op.future.set_result(result)
+        self._fill_payloads(txn)
 
-    def _transaction(self, ops: list[Op]) -> list[Any]:
+    def _fill_payloads(self, txn: _Txn) -> None:
+        if not txn.need_payload:
+            return
+        by_table: dict[int, tuple[LiveTable, list[Row]]] = {}
+        for live, row in txn.need_payload:
+            by_table.setdefault(id(live), (live, []))[1].append(row)
+        for live, rows in by_table.values():
+            try:
+                loaded = self._store.load_payloads(live, [r.row_id for r in rows])
+            except Exception as e:  # noqa: BLE001 - claims read the rows themselves then
+                log.warning("could not cache claimable rows of %r: %s", live.tdef.name, e)
+                continue
+            with self._store._lock:
+                for row in rows:
+                    if row.payload is None:
+                        row.payload = loaded.get(row.row_id)
+
+    def _transaction(self, ops: list[Op]) -> tuple[list[Any], _Txn]:
         store = self._store
         con = self._con
         txn = _Txn()
@@ -255,8 +280,8 @@ class Writer:
         with store._lock:
             for apply in txn.applies:
                 apply()
-            store._changed.notify_all()
-        return results
+            store._notify()
+        return results, txn
 
     # -- puts ----------------------------------------------------------------------------------
     def _puts(self, txn: _Txn, puts: list[tuple[int, PutOp]], results: list[Any]) -> None:
@@ -319,22 +344,26 @@ class Writer:
         set_mask = np.concatenate([p.set_mask for p, _ in batch])
         clear_mask = np.concatenate([p.clear_mask for p, _ in batch])
         n = len(keys)
-        row_ids = np.empty(n, np.int64)
-        is_new = np.zeros(n, bool)
+        rows_get = live.rows.get
+        txn_get = txn.new_rows.get
         next_id = txn.next_row_id.get(tname, live.next_row_id)
+        ids: list[int] = [0] * n
+        new_flags: list[bool] = [False] * n
         for i, key in enumerate(keys):
-            row = live.rows.get(key)
+            row = rows_get(key)
             if row is not None:
-                row_ids[i] = row.row_id
+                ids[i] = row.row_id
                 continue
-            known = txn.new_rows.get((tname, key))
+            known = txn_get((tname, key))
             if known is not None:
-                row_ids[i] = known
+                ids[i] = known
                 continue
-            row_ids[i] = next_id
+            ids[i] = next_id
             txn.new_rows[(tname, key)] = next_id
             next_id += 1
-            is_new[i] = True
+            new_flags[i] = True
+        row_ids = np.array(ids, np.int64)
+        is_new = np.array(new_flags, bool)
         terminal: set[int] = set()
         if is_new.any():
             # A key that is neither live nor new in this transaction may still exist as a
@@ -398,30 +427,53 @@ class Writer:
                 con.execute(f"UPDATE {quote(tname)} AS t SET {', '.join(sets)} "
                             f"FROM _expstore_old AS b WHERE t.row_id = b.row_id")
 
+        payload = None
+        if len(data_cols) == len(tdef.columns):
+            # The write carries every data column: the row's claimable values are all here.
+            cols: dict[str, Any] = {n: physical.column(n) for n in
+                                    ("sample_id", "input_id", "turn", "trajectory_id",
+                                     "policy_version")}
+            cols["finished_version"] = pc.coalesce(physical.column("finished_version"),
+                                                   pa.scalar(int(current), pa.int64()))
+            for c in tdef.columns:
+                cols[c.name] = physical.column(c.name)
+                if c.ref:
+                    cols[c.ref] = physical.column(c.ref)
+            for c in tdef.columns:
+                cols[c.status] = pc.coalesce(physical.column(c.status), False)
+            payload = pa.table(cols).cast(live.payload_schema)
         input_ids = physical.column("input_id").to_pylist()
         turns = physical.column("turn").to_pylist()
         trajs = physical.column("trajectory_id").to_pylist()
+        ids_list = row_ids.tolist()
+        new_list = is_new.tolist()
+        sets = set_mask.tolist()
+        clears = clear_mask.tolist()
 
         def apply() -> None:
-            live_now = store._live.get(tname)
-            if live_now is not live:
+            if store._live.get(tname) is not live:
                 return  # dropped meanwhile
             live.next_row_id = max(live.next_row_id, next_id)
+            required = live.required_mask
+            rows = live.rows
             for i, key in enumerate(keys):
-                rid = int(row_ids[i])
+                rid = ids_list[i]
                 if rid in terminal:
                     continue
-                row = live.rows.get(key)
+                row = rows.get(key)
                 if row is None:
-                    if not is_new[i]:
+                    if not new_list[i]:
                         continue  # consumed or gone since: nothing live to update
                     row = Row(rid, key[0], key[1], input_ids[i], turns[i], trajs[i])
-                    live.rows[key] = row
-                row.mask = (row.mask & ~int(clear_mask[i])) | int(set_mask[i])
+                    rows[key] = row
+                row.mask = (row.mask & ~clears[i]) | sets[i]
+                row.payload = (payload, i) if payload is not None else None
                 if row.state == LEASED:
                     continue
-                if live.is_complete(row):
+                if row.mask & required == required:
                     live.make_ready(row)
+                    if payload is None:
+                        txn.need_payload.append((live, row))
                 else:
                     live.unready(row)
         txn.applies.append(apply)
