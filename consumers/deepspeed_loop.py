@@ -1,0 +1,203 @@
+"""The DeepSpeed consumer loop: micro-batches in, optimizer steps, published weights, version bumps.
+
+For every micro-batch of a subscription the loop collates it, calls the user's loss function,
+backpropagates through ``engine.backward`` with the scale from
+:class:`consumers.accumulation.GradientAccumulator`, and at the accumulation boundary
+(``MicroBatch.is_boundary``) takes ``engine.step()``, publishes the weights and calls
+``bump_version(weights_uri=...)`` so producers switch to the new policy.
+
+The boundary comes from the subscription, not from DeepSpeed's micro-step counter: with group
+claims a global batch need not hold exactly ``gradient_accumulation_steps`` micro-batches. Build the
+engine with :func:`deepspeed_config` (``managed_gradient_accumulation: false``: ``backward`` only
+accumulates, ``step`` is the boundary). A managed engine also works: the loop then sets the boundary
+explicitly with ``engine.set_gradient_accumulation_boundary``.
+
+Acks: by default a micro-batch is acked right after its backward (its gradient is in the
+accumulation cache, the paper's model); ``ack_at_step=True`` acks the whole global batch only after
+the optimizer step, so a trainer crash mid-batch re-delivers those samples, at the price of holding
+more leases (keep the subscription's lease longer than one global batch takes).
+
+Example (assuming ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` are set)::
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt,
+                                      config=deepspeed_config(micro_batch_size=4, global_batch_size=16))
+    sub = store.subscribe("solver", micro_batch_size=4, global_batch_size=16, group_by="input_id")
+    loop = DeepSpeedTrainLoop(engine, grpo_loss, weights_dir="./weights")
+    for report in loop.run(sub, sub.bump_version, max_steps=100):
+        print(report.step, report.version, report.loss)
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import pyarrow as pa
+import torch
+
+from consumers.accumulation import GradientAccumulator
+from consumers.torch_collate import TorchBatch, collate
+from producers.rollout.weights import prune_published, publish_state_dict
+
+__all__ = ["MicroBatchLike", "LossFn", "StepReport", "DeepSpeedTrainLoop", "deepspeed_config"]
+
+
+class MicroBatchLike(Protocol):
+    """What the loop needs of a micro-batch (``consumers`` subscriptions yield these)."""
+
+    @property
+    def data(self) -> pa.Table: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def is_boundary(self) -> bool: ...
+    def ack(self) -> Any: ...
+
+
+#: ``loss_fn(engine, batch) -> (loss_sum, count)``: the micro-batch's summed loss and its number of
+#: units (loss tokens for a token-mean loss, samples for a sample-mean loss).
+LossFn = Callable[[Any, TorchBatch], tuple[torch.Tensor, "int | torch.Tensor"]]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one optimizer step did."""
+
+    step: int
+    micro_batches: int
+    count: int
+    loss: float
+    weights_uri: str
+    version: int | None
+
+
+def deepspeed_config(
+    micro_batch_size: int,
+    global_batch_size: int,
+    *,
+    zero_stage: int = 0,
+    world_size: int = 1,
+    gradient_clipping: float = 0.0,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A DeepSpeed config for this loop: batch sizes, ZeRO stage, caller-owned accumulation boundary.
+
+    ``gradient_accumulation_steps = global / (micro * world)``; it only feeds DeepSpeed's
+    bookkeeping, since the loop scales losses itself (``scale_wrt_gas=False``).
+
+    ``gradient_clipping`` is explicit because DeepSpeed 0.19 clips at norm 1.0 unless told
+    otherwise, which silently changes the update. Clipping sees the global-batch gradient: the
+    loop completes its normalisation before ``engine.step()``.
+    """
+    if global_batch_size % (micro_batch_size * world_size):
+        raise ValueError(f"global_batch_size {global_batch_size} is not a multiple of "
+                         f"micro_batch_size {micro_batch_size} x world_size {world_size}")
+    cfg: dict[str, Any] = {
+        "train_batch_size": global_batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": global_batch_size // (micro_batch_size * world_size),
+        "managed_gradient_accumulation": False,
+        "zero_optimization": {"stage": zero_stage},
+        # A client torch optimizer under ZeRO is "untested" to DeepSpeed; it is what we test.
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": gradient_clipping,
+        "steps_per_print": 10**9,
+    }
+    if zero_stage in (1, 2):
+        # With overlap_comm DeepSpeed reduces in backward hooks, taking gradients out of .grad.
+        cfg["zero_optimization"]["overlap_comm"] = False
+    if extra:
+        cfg.update(extra)
+    return cfg
+
+
+class DeepSpeedTrainLoop:
+    """Drive a DeepSpeed engine from a micro-batch subscription.
+
+    Args:
+        engine: a ``deepspeed.DeepSpeedEngine`` (see :func:`deepspeed_config`).
+        loss_fn: ``loss_fn(engine, batch) -> (loss_sum, count)``; run the forward through ``engine``.
+        weights_dir: where weights are published after each step.
+        global_count: the global batch's unit count if known up front (required for ZeRO 2/3);
+            None derives it from the micro-batches (see :mod:`consumers.accumulation`).
+        collate_fn: table -> :class:`TorchBatch`; default :func:`consumers.torch_collate.collate`.
+        name: prefix of published files (the agent's name in a multi-agent run).
+        keep_last: prune older published files, keeping this many (None keeps all).
+        ack_at_step: ack micro-batches after the optimizer step instead of after their backward.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        loss_fn: LossFn,
+        weights_dir: str | os.PathLike[str],
+        *,
+        global_count: int | None = None,
+        collate_fn: Callable[[pa.Table], TorchBatch] = collate,
+        name: str = "policy",
+        keep_last: int | None = None,
+        ack_at_step: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.loss_fn = loss_fn
+        self.weights_dir = weights_dir
+        self.collate_fn = collate_fn
+        self.name = name
+        self.keep_last = keep_last
+        self.ack_at_step = ack_at_step
+        self.step = 0
+        self._managed = bool(engine.managed_gradient_accumulation()) if hasattr(engine, "managed_gradient_accumulation") else True
+        self.accumulator = GradientAccumulator(
+            engine.module.parameters(),
+            global_count=global_count,
+            backward_fn=lambda loss: engine.backward(loss, scale_wrt_gas=False),
+        )
+
+    def run(
+        self,
+        micro_batches: Iterable[MicroBatchLike],
+        bump_version: Callable[..., Any],
+        *,
+        max_steps: int | None = None,
+    ) -> Iterator[StepReport]:
+        """Train on ``micro_batches``; yield a :class:`StepReport` after each optimizer step.
+
+        ``bump_version(weights_uri=uri)`` is called after each step; its return value (the new
+        version) is reported. Stops after ``max_steps`` steps or when the iterator ends; a partial
+        global batch at the end is not stepped (its micro-batches are left unacked when
+        ``ack_at_step`` so they are re-delivered).
+        """
+        pending: list[MicroBatchLike] = []
+        device = getattr(self.engine, "device", torch.device("cpu"))
+        for mb in micro_batches:
+            if max_steps is not None and self.step >= max_steps:
+                break
+            batch = self.collate_fn(mb.data).to(device)
+            if self._managed:
+                self.engine.set_gradient_accumulation_boundary(bool(mb.is_boundary))
+            loss_sum, count = self.loss_fn(self.engine, batch)
+            self.accumulator.backward(loss_sum, count, is_last=bool(mb.is_boundary))
+            if self._managed:
+                self.engine.step()  # a no-op unless the boundary was set above
+            if self.ack_at_step:
+                pending.append(mb)
+            else:
+                mb.ack()
+            if mb.is_boundary:
+                yield self._finish_step(pending, bump_version)
+                pending = []
+
+    def _finish_step(self, pending: list[MicroBatchLike], bump_version: Callable[..., Any]) -> StepReport:
+        micro, loss = self.accumulator.micro_batches, self.accumulator.mean_loss
+        count = self.accumulator.finish()
+        if not self._managed:
+            self.engine.step()
+        self.step += 1
+        uri = publish_state_dict(self.engine.module.state_dict(), self.weights_dir, self.step, name=self.name)
+        for mb in pending:
+            mb.ack()
+        version = bump_version(weights_uri=uri)
+        if self.keep_last is not None:
+            prune_published(self.weights_dir, self.keep_last, name=self.name)
+        return StepReport(self.step, micro, count, loss, uri, version if isinstance(version, int) else None)

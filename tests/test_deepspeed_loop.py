@@ -1,0 +1,178 @@
+"""The DeepSpeed consumer loop on CPU (world size 1, ZeRO 0 and 1) against a plain torch step.
+
+The micro-batch items here are plain objects with the subscription's shape (``data``, ``index``,
+``is_boundary``, ``ack``); the store's own subscription is exercised in the store's tests.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+
+try:
+    import deepspeed
+except Exception as e:  # noqa: BLE001 - an import of deepspeed can fail in many ways (no torch ext, no compiler)
+    deepspeed = None
+    _DS_REASON = f"deepspeed is not importable ({type(e).__name__}: {e}); pip install --no-build-isolation deepspeed"
+else:
+    _DS_REASON = ""
+
+from consumers.grpo import clipped_policy_loss, group_advantages, token_logprobs  # noqa: E402
+from consumers.torch_collate import TorchBatch, collate  # noqa: E402
+from producers.rollout.tiny_lm import TinyCausalLM, build_tiny_lm  # noqa: E402
+from producers.rollout.weights import load_state_dict  # noqa: E402
+
+pytestmark = pytest.mark.skipif(deepspeed is None, reason=_DS_REASON)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_process_group() -> Iterator[None]:
+    """DeepSpeed needs a torch.distributed group; without these variables it tries MPI and fails."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@dataclass
+class Item:
+    data: pa.Table
+    index: int
+    is_boundary: bool
+    log: list[str] = field(default_factory=list)
+
+    def ack(self) -> None:
+        self.log.append(f"ack {self.data.column('sample_id')[0].as_py()}")
+
+
+def make_global_batch(seed: int) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for g in range(2):
+        for k in range(4):
+            p = int(rng.integers(2, 4))
+            n = p + int(rng.integers(1, 7))
+            rows.append({"sample_id": f"s{seed}_{g}_{k}", "input_id": f"q{seed}_{g}", "prompt_len": p,
+                         "token_ids": [256, *rng.integers(0, 256, n - 1).tolist()],
+                         "logprobs": (-rng.uniform(5.0, 6.0, n - p)).tolist(), "reward": float(rng.integers(0, 2))})
+    t = pa.Table.from_pylist(rows)
+    b = collate(t)
+    return t.append_column("advantage", pa.array(group_advantages(b.rewards, b.group_ids).numpy(), pa.float32()))  # type: ignore[arg-type]
+
+
+def grpo_loss(model: torch.nn.Module, b: TorchBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    lp = token_logprobs(model(b.input_ids, b.position_ids), b.input_ids)
+    return clipped_policy_loss(lp, b.old_logprobs, b.per_token(b.advantages), b.loss_mask)  # type: ignore[arg-type]
+
+
+SPLITS = [[3, 5], [2, 2, 4]]  # micro-batch sizes per global batch: unequal, and a varying number of them
+
+
+def items(batches: list[pa.Table], log: list[str]) -> list[Item]:
+    out = []
+    for t, sizes in zip(batches, SPLITS):
+        start = 0
+        for i, s in enumerate(sizes):
+            out.append(Item(t.slice(start, s), i, i == len(sizes) - 1, log))
+            start += s
+    return out
+
+
+def optimizer(params: Iterator[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    # SGD with momentum: linear in the gradients, so float32 rounding stays at float32 size. Adam
+    # divides near-zero gradients by their own tiny magnitude and turns rounding into visible update
+    # differences (DeepSpeed refuses float64 gradients, so no tighter dtype is available).
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def reference_params(model: TinyCausalLM, batches: list[pa.Table], clip: float) -> list[torch.Tensor]:
+    opt = optimizer(model.parameters())
+    for t in batches:
+        opt.zero_grad()
+        loss_sum, n = grpo_loss(model, collate(t))
+        (loss_sum / n).backward()
+        if clip:
+            # the norm of the *global* gradient is clipped, so the accumulated gradient must be complete first
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("zero_stage,managed,clip", [(0, False, 0.0), (1, False, 0.0), (0, False, 1.0), (1, True, 1.0)])
+def test_loop_matches_full_batch_torch_steps(tmp_path, zero_stage: int, managed: bool, clip: float) -> None:
+    from consumers.deepspeed_loop import DeepSpeedTrainLoop, deepspeed_config
+
+    batches = [make_global_batch(1), make_global_batch(2)]
+    model = build_tiny_lm(seed=5)
+    initial = [p.detach().clone() for p in model.parameters()]
+    expected = reference_params(copy.deepcopy(model), batches, clip)
+
+    extra = {"managed_gradient_accumulation": True} if managed else None
+    cfg = deepspeed_config(micro_batch_size=4, global_batch_size=8, zero_stage=zero_stage, gradient_clipping=clip, extra=extra)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model.parameters()), config=cfg)
+
+    log: list[str] = []
+    versions = iter(range(1, 100))
+
+    def bump_version(*, weights_uri: str) -> int:
+        log.append(f"bump {weights_uri}")
+        return next(versions)
+
+    loop = DeepSpeedTrainLoop(engine, lambda eng, b: grpo_loss(eng, b), tmp_path / "weights")
+    reports = list(loop.run(items(batches, log), bump_version))
+
+    assert [r.step for r in reports] == [1, 2] and [r.version for r in reports] == [1, 2]
+    assert [r.micro_batches for r in reports] == [2, 3]
+    assert reports[0].count == collate(batches[0]).num_loss_tokens
+    for p, e in zip(engine.module.parameters(), expected):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-5, atol=1e-6)
+    moved = max(float((p.detach() - p0).abs().max()) for p, p0 in zip(engine.module.parameters(), initial))
+    assert moved > 1e-2  # the steps happened, and are far larger than the tolerance
+    published = load_state_dict(reports[-1].weights_uri)
+    for k, v in engine.module.state_dict().items():
+        torch.testing.assert_close(published[k], v)
+    # every micro-batch acked right after its backward, each bump names the file just published
+    assert [line.split()[0] for line in log] == ["ack", "ack", "bump", "ack", "ack", "ack", "bump"]
+    assert log[2] == f"bump {reports[0].weights_uri}"
+
+
+def test_ack_at_step_defers_acks_and_max_steps_stops(tmp_path) -> None:
+    from consumers.deepspeed_loop import DeepSpeedTrainLoop, deepspeed_config
+
+    model = build_tiny_lm(seed=6)
+    cfg = deepspeed_config(micro_batch_size=4, global_batch_size=8, zero_stage=0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    log: list[str] = []
+    loop = DeepSpeedTrainLoop(engine, lambda eng, b: grpo_loss(eng, b), tmp_path, ack_at_step=True, keep_last=1)
+    before = copy.deepcopy(engine.module.state_dict())
+    reports = list(loop.run(items([make_global_batch(3), make_global_batch(4)], log),
+                            lambda *, weights_uri: log.append("bump") or 7, max_steps=1))
+    assert len(reports) == 1 and reports[0].version == 7
+    assert log == ["ack s3_0_0", "ack s3_0_3", "bump"]
+    assert any(not torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".pt"] == ["policy-step00000001.pt"]
+
+
+def test_config_rejects_indivisible_batch_sizes() -> None:
+    from consumers.deepspeed_loop import deepspeed_config
+
+    with pytest.raises(ValueError, match="not a multiple"):
+        deepspeed_config(micro_batch_size=3, global_batch_size=8)

