@@ -245,7 +245,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         with flight_errors(), self.metrics.timed(action.type):
             body = parse_body(action.body.to_pybytes() if action.body else b"", action.type)
             result = spec.handler(self.store, body)
-            if isinstance(result, list) and all(isinstance(r, bytes) for r in result):
+            if isinstance(result, list) and result and all(isinstance(r, bytes) for r in result):
                 out = result
             else:
                 out = [json.dumps(result, default=str).encode()]
