@@ -54,6 +54,8 @@ class RemoteStore:
     def _wait_ready(self, timeout: float) -> None:
         try:
             self._client.wait_for_available(timeout=timeout)
+        except (flight.FlightUnauthenticatedError, flight.FlightUnauthorizedError):
+            return  # it answered (wait_for_available sends no token): the server is up
         except flight.FlightError as e:
             raise Unavailable(f"no expstore server answers at {self.uri}: {e}") from None
 

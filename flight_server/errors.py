@@ -55,6 +55,8 @@ def flight_errors() -> Iterator[None]:
                 not isinstance(e, E.ExpstoreError):
             e = E.InvalidArgument(str(e))
         raise to_flight(e) from None
+    except Exception as e:  # noqa: BLE001 - anything else is logged and sent as "internal"
+        raise to_flight(e) from None
 
 
 def from_flight(error: BaseException) -> BaseException:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import deque
+import queue
+import threading
 from concurrent.futures import Future
 from typing import Any, Iterator
 
@@ -147,28 +148,22 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         with flight_errors(), self.metrics.timed("do_put"):
             table = self._table_of(descriptor)
             live = self.store._live_table(table)
-            pending: deque[tuple[int, Future]] = deque()
+            answers = _PutAnswers(writer, PUT_PIPELINE)
             index = 0
             try:
                 for chunk in reader:
+                    answers.raise_failure()
                     if chunk.data is None or chunk.data.num_rows == 0:
                         continue
                     version = self.store._versions[live.tdef.version_group]
                     prepared = prepare_put(live.tdef, chunk.data, version,
                                            self.store.ref_threshold)
-                    pending.append((index, self.store._writer.submit(PutOp(prepared))))
+                    answers.submit(index, self.store._writer.submit(PutOp(prepared)))
                     index += 1
-                    while len(pending) >= PUT_PIPELINE:
-                        self._answer_put(writer, *pending.popleft())
             finally:
                 # Answer (or fail on) every batch already handed to the writer, in order.
-                while pending:
-                    self._answer_put(writer, *pending.popleft())
-
-    @staticmethod
-    def _answer_put(writer: flight.FlightMetadataWriter, index: int, future: Future) -> None:
-        result = future.result()
-        writer.write(pa.py_buffer(json.dumps({"batch": index, **result}).encode()))
+                answers.finish()
+            answers.raise_failure()
 
     # -- reads ---------------------------------------------------------------------------------
     def do_get(self, context: flight.ServerCallContext,
@@ -262,6 +257,62 @@ class ExpstoreFlightServer(flight.FlightServerBase):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _PutAnswers:
+    """Answers a do_put's batches, in order, each as soon as its commit is durable.
+
+    The answers are written from their own thread because the handler's thread spends its time
+    blocked reading the next batch: a client that waits for batch k's answer before it sends
+    batch k+1 (a producer pacing itself on durability) would otherwise never be answered.
+    At most ``limit`` batches wait for their answer; the reading side blocks beyond that.
+    """
+
+    def __init__(self, writer: flight.FlightMetadataWriter, limit: int) -> None:
+        self._writer = writer
+        self._queue: queue.Queue[tuple[int, Future] | None] = queue.Queue()
+        self._slots = threading.Semaphore(limit)
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="expstore-put-answers",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, index: int, future: Future) -> None:
+        self._slots.acquire()
+        self._queue.put((index, future))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            index, future = item
+            try:
+                result = future.result()
+                if self._failure is None:
+                    self._write({"batch": index, **result})
+            except BaseException as e:  # noqa: BLE001 - handed to the handler's thread
+                if self._failure is None:
+                    self._failure = e
+                    # The handler's thread only raises this once it reads the client's next
+                    # message; a client waiting for this batch's answer learns of it now.
+                    self._write({"batch": index, "error": {
+                        "code": getattr(e, "code", "internal"), "message": str(e)}})
+            finally:
+                self._slots.release()
+
+    def _write(self, answer: dict[str, Any]) -> None:
+        try:
+            self._writer.write(pa.py_buffer(json.dumps(answer, default=str).encode()))
+        except (pa.ArrowException, OSError) as e:  # the client went away
+            if self._failure is None:
+                self._failure = e
+
+    def raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def finish(self) -> None:
+        """Wait until every submitted batch is answered (or failed)."""
+        self._queue.put(None)
+        self._thread.join()
 
 
 def _flight_sql_handler(store: EmbeddedStore) -> Any:
