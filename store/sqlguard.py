@@ -32,6 +32,8 @@ DENIED_FUNCTION_PREFIXES = (
     "delta_", "sqlite_", "postgres_", "mysql_", "http", "s3",
 )
 MAX_SQL_CHARS = 100_000
+# Characters of file paths, URLs, extensions and globs; no store or catalog table name has them.
+_PATH_CHARS = "/\\.:*?~"
 
 # A private in-memory database only parses; it never sees the store's data.
 _parser = duckdb.connect(":memory:")
@@ -57,6 +59,9 @@ def check_select(sql: object) -> str:
         raise QueryRefused(f"{kind.name} statements are refused: the query path is read-only "
                            "and takes one SELECT")
     for name, where in _functions(sql):
+        if where == "file":
+            raise QueryRefused(f"table {name!r} looks like a file path or URL; the query path "
+                               "reads only the store's tables")
         lowered = name.lower()
         if where == "table" and lowered not in ALLOWED_TABLE_FUNCTIONS:
             raise QueryRefused(f"table function {name!r} is refused on the query path; allowed: "
@@ -89,6 +94,11 @@ def _functions(sql: str) -> Iterator[tuple[str, str]]:
 
 def _walk(node: Any) -> Iterator[tuple[str, str]]:
     if isinstance(node, dict):
+        # ``FROM '/etc/passwd'`` or ``FROM 'x.parquet'`` is a file read (a replacement scan),
+        # not a table: the syntax tree shows it as a base table named like a path.
+        if node.get("type") == "BASE_TABLE" and any(
+                ch in str(node.get("table_name", "")) for ch in _PATH_CHARS):
+            yield str(node["table_name"]), "file"
         if node.get("type") == "TABLE_FUNCTION":
             fn = node.get("function") or {}
             if isinstance(fn, dict) and "function_name" in fn:
