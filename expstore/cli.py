@@ -1,0 +1,716 @@
+"""The ``expstore`` command line: a thin click layer over the store library.
+
+Every command opens one store (``--db PATH`` embedded, or ``--uri grpc://…`` remote, chosen by
+:func:`store.connect`), makes one library call and prints the answer: aligned columns for people,
+``--json`` for scripts. Library errors (:class:`store.ExpstoreError`) become
+:class:`click.ClickException` in one place, :class:`ExpstoreCommand`, so a bad table name or
+type ends with a one-line message and exit status 1, never a traceback.
+
+Example::
+
+    expstore create-table solver prompt:string reward:float64 --db ./expstore.duckdb
+    expstore query "SELECT count(*) FROM solver" --json
+"""
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import functools
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import click
+import pyarrow as pa
+
+from store.errors import ExpstoreError
+
+from . import __version__
+from .output import MAX_CELL, echo_json, format_pairs, format_table, raw_cell
+
+DEFAULT_DB = "./expstore.duckdb"
+DEFAULT_PORT = 8815
+QUERY_FORMATS = ("table", "csv", "json", "parquet")
+
+
+# -- error boundary -------------------------------------------------------------------------------
+class ExpstoreCommand(click.Command):
+    """A command whose library errors end as a one-line message (exit status 1)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _errors():
+            return super().invoke(ctx)
+
+
+class ExpstoreGroup(click.Group):
+    command_class = ExpstoreCommand
+    group_class = type  # subgroups (``version``) are ExpstoreGroups too
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    try:
+        yield
+    except ExpstoreError as e:
+        raise click.ClickException(str(e)) from e
+    except OSError as e:
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        raise click.ClickException(f"{where}{e.strerror or e}") from e
+    except pa.ArrowException as e:
+        raise click.ClickException(f"arrow: {e}") from e
+
+
+# -- shared options -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """Which store a command talks to: an embedded DuckDB file or a server URI."""
+
+    db: str
+    uri: str | None = None
+    token: str | None = None
+    tls_root_certs: str | None = None
+    create: bool = False
+
+    @property
+    def address(self) -> str:
+        return self.uri or self.db
+
+    @contextmanager
+    def open(self) -> Iterator[Any]:
+        """The open store, closed afterwards (an embedded store checkpoints on close)."""
+        import store
+
+        if self.uri:
+            options: dict[str, Any] = {}
+            if self.token:
+                options["token"] = self.token
+            if self.tls_root_certs:
+                options["tls_root_certs"] = self.tls_root_certs
+            s = store.connect(self.uri, **options)
+        else:
+            if not self.create and not os.path.exists(self.db):
+                raise click.ClickException(
+                    f"database {self.db!r} does not exist; create a table in it with "
+                    f"`expstore create-table --db {self.db} …`, or connect to a running server "
+                    "with --uri grpc://HOST:PORT")
+            s = store.connect(self.db)
+        try:
+            yield s
+        finally:
+            s.close()
+
+
+def db_option(f: Callable) -> Callable:
+    return click.option("--db", default=DEFAULT_DB, show_default=True, envvar="EXPSTORE_DB",
+                        type=click.Path(dir_okay=False),
+                        help="Embedded store: the DuckDB file [env EXPSTORE_DB].")(f)
+
+
+def store_options(create: bool = False) -> Callable[[Callable], Callable]:
+    """``--db`` / ``--uri`` / ``--token`` / ``--tls-root-certs``, passed on as ``target``.
+
+    ``create``: the command may create the embedded database file (otherwise a missing file is
+    an error rather than a new empty database in the working directory).
+    """
+    def decorator(f: Callable) -> Callable:
+        @functools.wraps(f)
+        def wrapper(*args: Any, db: str, uri: str | None, token: str | None,
+                    tls_root_certs: str | None, **kwargs: Any) -> Any:
+            ctx = click.get_current_context()
+            src = ctx.get_parameter_source
+            explicit_db = src("db") == click.core.ParameterSource.COMMANDLINE
+            explicit_uri = src("uri") == click.core.ParameterSource.COMMANDLINE
+            if uri and explicit_db and explicit_uri:
+                raise click.UsageError("give --db (embedded) or --uri (a server), not both")
+            if explicit_db and not explicit_uri:
+                uri = None  # an explicit --db beats EXPSTORE_URI from the environment
+            target = Target(db=db, uri=uri or None, token=token, tls_root_certs=tls_root_certs,
+                            create=create)
+            return f(*args, target=target, **kwargs)
+
+        for option in reversed([
+            db_option,
+            click.option("--uri", envvar="EXPSTORE_URI", metavar="grpc://HOST:PORT",
+                         help="Remote store: a running server [env EXPSTORE_URI]."),
+            click.option("--token", envvar="EXPSTORE_TOKEN",
+                         help="Bearer token for a server with auth on [env EXPSTORE_TOKEN]."),
+            click.option("--tls-root-certs", envvar="EXPSTORE_TLS_ROOT_CERTS",
+                         type=click.Path(exists=True, dir_okay=False),
+                         help="PEM file to trust a grpc+tls:// server's certificate."),
+        ]):
+            wrapper = option(wrapper)
+        return wrapper
+    return decorator
+
+
+json_option = click.option("--json", "as_json", is_flag=True,
+                           help="Print JSON (for scripts) instead of aligned columns.")
+
+
+# -- the group ----------------------------------------------------------------------------------------
+@click.group(cls=ExpstoreGroup, context_settings={"help_option_names": ["-h", "--help"],
+                                                  "max_content_width": 100})
+@click.version_option(__version__, prog_name="expstore")
+def cli() -> None:
+    """expstore: an experience store for RL training of LLM agents (Arrow Flight over DuckDB).
+
+    Commands work on an embedded DuckDB file (--db, default ./expstore.duckdb) or on a running
+    server (--uri grpc://HOST:PORT); set EXPSTORE_DB / EXPSTORE_URI / EXPSTORE_TOKEN to avoid
+    repeating them.
+
+    \b
+    Example:
+        expstore serve --db ./expstore.duckdb --port 8815 &
+        expstore create-table solver prompt:string reward:float64 --uri grpc://127.0.0.1:8815
+        expstore stats --uri grpc://127.0.0.1:8815 --watch
+    """
+
+
+# -- serve / migrate ------------------------------------------------------------------------------
+@cli.command()
+@db_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to listen on (0 picks a free one; the ready line names it).")
+@click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False),
+              help="JSON file of bearer tokens and roles; turns on auth.")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False),
+              help="PEM certificate; with --tls-key turns on TLS (grpc+tls://).")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="PEM private key.")
+@click.option("--memory-limit", metavar="SIZE", help="DuckDB memory limit, e.g. 4GB.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="Serve Prometheus /metrics over HTTP on this port (0: a free one; needs the "
+                   "flight_server.metrics module; without it the option is ignored with a "
+                   "warning).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True, help="Log level of the server's stderr log.")
+def serve(db: str, host: str, port: int, tokens_file: str | None, tls_cert: str | None,
+          tls_key: str | None, memory_limit: str | None, metrics_port: int | None,
+          log_level: str) -> None:
+    """Serve a store over Arrow Flight until SIGINT/SIGTERM.
+
+    Prints one line, "expstore serving grpc://HOST:PORT (db PATH)", once it accepts calls. On
+    SIGINT or SIGTERM it stops accepting, finishes running calls, closes the store (which
+    checkpoints) and exits 0. While it runs, it owns the database file: other commands reach
+    the store with --uri.
+
+    \b
+    Example:
+        expstore serve --db ./expstore.duckdb --port 8815
+        expstore serve --tokens-file tokens.json --tls-cert cert.pem --tls-key key.pem
+    """
+    from .serve import run_server
+
+    logging.basicConfig(stream=sys.stderr, level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_level != "debug":
+        logging.getLogger("alembic").setLevel(logging.WARNING)  # its setup chatter is noise
+    if bool(tls_cert) != bool(tls_key):
+        raise click.UsageError("TLS needs both --tls-cert and --tls-key")
+    run_server(db, host=host, port=port, tokens_file=tokens_file, tls_cert=tls_cert,
+               tls_key=tls_key, memory_limit=memory_limit, metrics_port=metrics_port,
+               warn=lambda message: click.echo(message, err=True))
+
+
+@cli.command()
+@db_option
+@click.option("--revision", default="head", show_default=True,
+              help="Catalog revision to upgrade to.")
+@json_option
+def migrate(db: str, revision: str, as_json: bool) -> None:
+    """Upgrade the catalog of an embedded database (creates it when new).
+
+    Stop a server that owns the file first: only one process can write a DuckDB file.
+
+    \b
+    Example:
+        expstore migrate --db ./expstore.duckdb
+        expstore migrate --db ./expstore.duckdb --revision head --json
+    """
+    import migrations
+    from alembic.util import CommandError
+    from store.opening import catalog_revision
+
+    before = catalog_revision(db)
+    try:
+        migrations.upgrade(db, revision)
+    except CommandError as e:
+        raise click.ClickException(f"cannot migrate {db!r} to revision {revision!r}: {e}") from e
+    after = catalog_revision(db)
+    if as_json:
+        echo_json({"db": db, "from": before, "to": after, "head": migrations.head()})
+    else:
+        click.echo(f"{db}: catalog {before or '(new)'} -> {after}"
+                   + (" (already there)" if before == after else ""))
+
+
+# -- tables -------------------------------------------------------------------------------------
+@cli.command()
+@store_options()
+@json_option
+def tables(target: Target, as_json: bool) -> None:
+    """List the experience tables.
+
+    \b
+    Example:
+        expstore tables --db ./expstore.duckdb
+        expstore tables --uri grpc://127.0.0.1:8815 --json
+    """
+    with target.open() as s:
+        names = s.list_tables()
+    if as_json:
+        echo_json(names)
+    elif names:
+        click.echo("\n".join(names))
+    else:
+        click.echo(f"no tables in {target.address}", err=True)
+
+
+def _parse_columns(specs: tuple[str, ...]) -> dict[str, str]:
+    columns: dict[str, str] = {}
+    for spec in specs:
+        name, sep, type_ = spec.partition(":")
+        if not sep or not name.strip() or not type_.strip():
+            raise click.BadParameter(f"{spec!r} is not NAME:TYPE (e.g. reward:float64)",
+                                     param_hint="COLUMNS")
+        if name in columns:
+            raise click.BadParameter(f"column {name!r} is given twice", param_hint="COLUMNS")
+        columns[name.strip()] = type_.strip()
+    return columns
+
+
+def _parse_storage(specs: tuple[str, ...]) -> dict[str, str] | None:
+    if not specs:
+        return None
+    storage: dict[str, str] = {}
+    for spec in specs:
+        name, sep, mode = spec.partition("=")
+        if not sep or not name or not mode:
+            raise click.BadParameter(f"{spec!r} is not COLUMN=MODE (e.g. response=ref)",
+                                     param_hint="--storage")
+        storage[name] = mode
+    return storage
+
+
+@cli.command("create-table")
+@click.argument("name")
+@click.argument("columns", nargs=-1, required=True, metavar="COLUMN:TYPE...")
+@click.option("--if-not-exists", is_flag=True, help="Accept an existing table of that name.")
+@click.option("--max-staleness", type=int, default=0, show_default=True,
+              help="Rows older than version - N become stale (-1: never).")
+@click.option("--version-group", metavar="GROUP",
+              help="Share a version counter with other tables (default: the table's name).")
+@click.option("--max-deliveries", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Deliveries before a row is dead.")
+@click.option("--lease-seconds", type=click.FloatRange(min=0, min_open=True), default=60.0,
+              show_default=True, help="Default lease of a claim.")
+@click.option("--storage", multiple=True, metavar="COLUMN=MODE",
+              help="Storage of a column: value, ref or auto (repeatable).")
+@click.option("--required", multiple=True, metavar="COLUMN",
+              help="A column that must be written before a row is ready (repeatable; default: "
+                   "all columns).")
+@store_options(create=True)
+@json_option
+def create_table(name: str, columns: tuple[str, ...], if_not_exists: bool, max_staleness: int,
+                 version_group: str | None, max_deliveries: int, lease_seconds: float,
+                 storage: tuple[str, ...], required: tuple[str, ...], target: Target,
+                 as_json: bool) -> None:
+    """Create an experience table with data columns NAME:TYPE.
+
+    Types: bool, int8..int64, uint8..uint64, float32, float64, string, binary, timestamp,
+    list<T>, tensor<T>. Quote types with <> in a shell.
+
+    \b
+    Example:
+        expstore create-table solver prompt:string response:string reward:float64 \\
+            'token_ids:list<int32>' --storage response=ref --max-staleness 1
+    """
+    cols = _parse_columns(columns)
+    with target.open() as s:
+        description = s.create_table(
+            name, cols, if_not_exists=if_not_exists, max_staleness=max_staleness,
+            version_group=version_group, max_deliveries=max_deliveries,
+            lease_seconds=lease_seconds, storage=_parse_storage(storage),
+            required=list(required) or None)
+    _print_description(description, as_json)
+
+
+@cli.command()
+@click.argument("name")
+@store_options()
+@json_option
+def describe(name: str, target: Target, as_json: bool) -> None:
+    """Show a table's columns, version and settings.
+
+    \b
+    Example:
+        expstore describe solver
+        expstore describe solver --uri grpc://127.0.0.1:8815 --json
+    """
+    with target.open() as s:
+        description = s.describe(name)
+    _print_description(description, as_json)
+
+
+def _print_description(d: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        echo_json(d)
+        return
+    pairs = [(k, v) for k, v in d.items() if k != "columns"]
+    click.echo(format_pairs(pairs))
+    click.echo("")
+    click.echo(format_table(["column", "type", "storage", "required"],
+                            [[c.get("name"), c.get("type"), c.get("storage"), c.get("required")]
+                             for c in d.get("columns", [])]))
+
+
+# -- query ------------------------------------------------------------------------------------------
+def _param(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+@cli.command()
+@click.argument("sql")
+@click.option("--param", "-p", "params", multiple=True, metavar="VALUE",
+              help="Value bound to the next ? (JSON if it parses, else a string; repeatable).")
+@click.option("--format", "fmt", type=click.Choice(QUERY_FORMATS), default=None,
+              help="Output format [default: table; parquet needs --output].")
+@click.option("--output", "-o", type=click.Path(dir_okay=False),
+              help="Write to this file instead of stdout.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="Cancel the query after this long (default: the store's limit).")
+@click.option("--max-width", type=click.IntRange(min=4), default=MAX_CELL, show_default=True,
+              help="With --format table: cut cells longer than this.")
+@store_options()
+@json_option
+def query(sql: str, params: tuple[str, ...], fmt: str | None, output: str | None,
+          timeout: float | None, max_width: int, target: Target, as_json: bool) -> None:
+    """Run one read-only SELECT and print the result.
+
+    \b
+    Example:
+        expstore query "SELECT sample_id, reward FROM solver WHERE reward > ?" -p 0.5
+        expstore query "SELECT * FROM solver" --format csv -o solver.csv
+        expstore query "SELECT * FROM solver" --format parquet -o solver.parquet
+    """
+    if as_json:
+        if fmt not in (None, "json"):
+            raise click.UsageError(f"--json and --format {fmt} exclude each other")
+        fmt = "json"
+    fmt = fmt or "table"
+    if fmt == "parquet" and not output:
+        raise click.UsageError("--format parquet needs --output FILE")
+    with target.open() as s:
+        result = s.query(sql, [_param(p) for p in params] if params else None, timeout=timeout)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(result, output)
+        click.echo(f"wrote {result.num_rows} rows to {output}", err=True)
+        return
+    with _text_sink(output) as out:
+        if fmt == "json":
+            from .output import dumps
+
+            out.write(dumps(result.to_pylist()) + "\n")
+        elif fmt == "csv":
+            writer = csv.writer(out, lineterminator="\n")
+            writer.writerow(result.column_names)
+            for row in result.to_pylist():
+                writer.writerow([raw_cell(v) for v in row.values()])
+        else:
+            rows = [list(r.values()) for r in result.to_pylist()]
+            out.write(format_table(result.column_names, rows, max_cell=max_width) + "\n")
+            out.write(f"({result.num_rows} row{'s' if result.num_rows != 1 else ''})\n")
+    if output:
+        click.echo(f"wrote {result.num_rows} rows to {output}", err=True)
+
+
+@contextmanager
+def _text_sink(path: str | None) -> Iterator[Any]:
+    if path is None:
+        yield click.get_text_stream("stdout")
+        return
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        yield f
+
+
+# -- stats / leases -----------------------------------------------------------------------------
+STATS_COLUMNS = ["version", "rows", "pending", "ready", "processing", "consumed", "stale", "dead"]
+
+
+def _stats_text(stats: dict[str, Any], table: str | None) -> str:
+    if not stats:
+        return "no tables"
+    rows = [[name, s.get("version_group")] + [s.get(c) for c in STATS_COLUMNS]
+            for name, s in sorted(stats.items())]
+    text = format_table(["table", "group"] + STATS_COLUMNS, rows)
+    if table is not None and table in stats:
+        per_version = stats[table].get("rows_per_version") or {}
+        text += "\n\nrows per policy version: " + (
+            ", ".join(f"v{v}: {n}" for v, n in sorted(per_version.items())) or "none")
+    return text
+
+
+@cli.command()
+@click.argument("table", required=False)
+@click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
+              metavar="SECONDS", help="With --watch: seconds between refreshes.")
+@click.option("--count", type=click.IntRange(min=1), metavar="N",
+              help="With --watch: stop after N refreshes.")
+@store_options()
+@json_option
+def stats(table: str | None, watch: bool, interval: float, count: int | None, target: Target,
+          as_json: bool) -> None:
+    """Rows by state (pending, ready, processing, consumed, stale, dead) and versions.
+
+    With --watch the view refreshes every --interval seconds; with --json each refresh is one
+    JSON line.
+
+    \b
+    Example:
+        expstore stats
+        expstore stats solver --json
+        expstore stats --uri grpc://127.0.0.1:8815 --watch --interval 1
+    """
+    with target.open() as s:
+        if not watch:
+            data = s.stats(table)
+            if as_json:
+                echo_json(data)
+            else:
+                click.echo(_stats_text(data, table))
+            return
+        refreshes = 0
+        try:
+            while True:
+                data = s.stats(table)
+                refreshes += 1
+                if as_json:
+                    from .output import dumps
+
+                    click.echo(dumps(data, indent=None))
+                else:
+                    click.clear()
+                    now = dt.datetime.now().strftime("%H:%M:%S")
+                    click.echo(f"expstore stats  {target.address}  {now}  "
+                               f"(every {interval:g} s, Ctrl-C to stop)\n")
+                    click.echo(_stats_text(data, table))
+                if count is not None and refreshes >= count:
+                    return
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            return
+
+
+@cli.command()
+@click.argument("table", required=False)
+@store_options()
+@json_option
+def leases(table: str | None, target: Target, as_json: bool) -> None:
+    """Claims currently leased: id, consumer, expiry and rows per table.
+
+    \b
+    Example:
+        expstore leases --uri grpc://127.0.0.1:8815
+        expstore leases solver --json
+    """
+    with target.open() as s:
+        current = s.leases(table)
+    if as_json:
+        echo_json(current)
+        return
+    if not current:
+        click.echo("no active leases" + (f" on {table}" if table else ""), err=True)
+        return
+    now = time.time()
+    rows = [[lease["claim_id"], lease.get("consumer"), lease.get("state"),
+             f"{lease['expires_at'] - now:.1f}s",
+             ", ".join(f"{t}:{n}" for t, n in sorted(lease.get("rows", {}).items()))]
+            for lease in current]
+    click.echo(format_table(["claim_id", "consumer", "state", "expires_in", "rows"], rows))
+
+
+# -- versions ---------------------------------------------------------------------------------
+@cli.group()
+def version() -> None:
+    """Show or bump a table's policy version (shared by its version group).
+
+    \b
+    Example:
+        expstore version show solver
+        expstore version bump solver --expected 3 --weights-uri s3://ckpt/step-4
+    """
+
+
+@version.command("show")
+@click.argument("table")
+@store_options()
+@json_option
+def version_show(table: str, target: Target, as_json: bool) -> None:
+    """Print a table's current version and the weights published with it.
+
+    \b
+    Example:
+        expstore version show solver
+        expstore version show solver --json
+    """
+    with target.open() as s:
+        d = s.describe(table)
+    info = {"table": table, "version_group": d.get("version_group"), "version": d.get("version"),
+            "weights_uri": d.get("weights_uri")}
+    if as_json:
+        echo_json(info)
+    else:
+        click.echo(format_pairs(list(info.items())))
+
+
+@version.command("bump")
+@click.argument("table")
+@click.option("--expected", type=int, metavar="N",
+              help="Only bump if the version is N now (compare-and-set).")
+@click.option("--weights-uri", metavar="URI", help="Where the new weights were published.")
+@store_options()
+@json_option
+def version_bump(table: str, expected: int | None, weights_uri: str | None, target: Target,
+                 as_json: bool) -> None:
+    """Bump the version of a table's version group; older rows may become stale.
+
+    \b
+    Example:
+        expstore version bump solver
+        expstore version bump solver --expected 3 --weights-uri s3://ckpt/step-4 --json
+    """
+    with target.open() as s:
+        new = s.bump_version(table, expected=expected, weights_uri=weights_uri)
+    if as_json:
+        echo_json({"table": table, "version": new, "weights_uri": weights_uri})
+    else:
+        click.echo(f"{table}: version {new}")
+
+
+# -- export / gc ------------------------------------------------------------------------------
+@cli.command()
+@click.argument("table", required=False)
+@click.option("--sql", help="Export the result of this SELECT instead of a table.")
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False),
+              help="File to write (appears only when complete).")
+@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl"]),
+              help="File format [default: from the file name; .jsonl/.ndjson → jsonl, else "
+                   "parquet].")
+@click.option("--chunk-rows", type=click.IntRange(min=1), default=10_000, show_default=True,
+              help="Rows read and written per chunk.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="Time limit per query.")
+@store_options()
+@json_option
+def export(table: str | None, sql: str | None, output: str, fmt: str | None, chunk_rows: int,
+           timeout: float | None, target: Target, as_json: bool) -> None:
+    """Export a table (all rows and columns) or a query result to Parquet or JSON Lines.
+
+    \b
+    Example:
+        expstore export solver -o solver.parquet
+        expstore export --sql "SELECT * FROM solver WHERE reward > 0" -o good.jsonl
+    """
+    from .export import export as run_export
+
+    if (table is None) == (sql is None):
+        raise click.UsageError("give a TABLE or --sql (one of them)")
+    label = f"exporting {table}" if table is not None else "exporting query"
+
+    def progress(total: int) -> Any:
+        return click.progressbar(length=total, label=label, file=click.get_text_stream("stderr"),
+                                 show_pos=True)
+
+    with target.open() as s:
+        result = run_export(s, output, table=table, sql=sql, fmt=fmt, chunk_rows=chunk_rows,
+                            timeout=timeout, progress=progress)
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(f"exported {result['rows']} rows to {result['output']} ({result['format']})")
+
+
+@cli.command()
+@store_options()
+@json_option
+def gc(target: Target, as_json: bool) -> None:
+    """Delete blob segments that no row references any more.
+
+    \b
+    Example:
+        expstore gc --db ./expstore.duckdb
+        expstore gc --uri grpc://127.0.0.1:8815 --token $ADMIN_TOKEN --json
+    """
+    with target.open() as s:
+        result = s.gc()
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(format_pairs(list(result.items())))
+
+
+# -- demo / bench: entry points owned by other packages ---------------------------------------
+def _entry_point(module_name: str, what: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise click.ClickException(
+                f"{what} is not available: module {module_name!r} is missing from this "
+                "installation") from e
+        raise click.ClickException(f"{what} needs module {e.name!r}, which is not installed "
+                                   f"(pip install -e '.[dev]' installs the extras)") from e
+
+
+PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
+
+
+@cli.command(context_settings=PASS_THROUGH)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def demo(ctx: click.Context, args: tuple[str, ...]) -> None:
+    """Run the multi-agent demo (consumers.demo); ARGS go to it unchanged.
+
+    \b
+    Example:
+        expstore demo
+        expstore demo -- --help
+    """
+    module = _entry_point("consumers.demo", "the demo")
+    ctx.exit(int(module.main(list(args)) or 0))
+
+
+@cli.command(context_settings=PASS_THROUGH)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def bench(ctx: click.Context, args: tuple[str, ...]) -> None:
+    """Run the benchmark suite (python -m bench); ARGS go to it unchanged.
+
+    \b
+    Example:
+        expstore bench --quick --only flight_raw
+        expstore bench -- --help
+    """
+    module = _entry_point("bench", "the benchmark suite")
+    ctx.exit(int(module.main(list(args)) or 0))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``expstore`` console script."""
+    cli.main(args=argv, prog_name="expstore")
+
+
+if __name__ == "__main__":
+    main()

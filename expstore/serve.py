@@ -1,0 +1,101 @@
+"""Run the Flight server in the foreground until SIGINT/SIGTERM (``expstore serve``,
+``python -m flight_server``).
+
+Shutdown order on a signal: stop accepting and let running calls finish (``shutdown``, from a
+helper thread: the signal handler runs on the serving thread, and shutting down from there would
+wait on itself), then close the store, which drains the writer and checkpoints the WAL.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import signal
+import sys
+import threading
+from typing import Any, Callable, TextIO
+
+log = logging.getLogger("expstore.serve")
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def metrics_available() -> bool:
+    """Whether this installation has the Prometheus metrics module (``flight_server.metrics``)."""
+    try:
+        return importlib.util.find_spec("flight_server.metrics") is not None
+    except ImportError:
+        return False
+
+
+def ready_line(location: str, db: str) -> str:
+    return f"expstore serving {location} (db {db})"
+
+
+def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
+               tokens_file: str | None = None, tls_cert: str | None = None,
+               tls_key: str | None = None, memory_limit: str | None = None,
+               metrics_port: int | None = None, out: TextIO | None = None,
+               warn: Callable[[str], Any] | None = None) -> int:
+    """Serve ``db`` until SIGINT or SIGTERM; print one ready line to ``out``; return 0.
+
+    Raises:
+        ExpstoreError: the store cannot be opened (e.g. the file is locked by another process).
+    """
+    from flight_server.server import ExpstoreFlightServer  # late: keeps `expstore --help` quick
+
+    out = out if out is not None else sys.stdout
+    options: dict[str, Any] = {}
+    if memory_limit:
+        options["memory_limit"] = memory_limit
+    if metrics_port is not None:
+        if metrics_available():
+            options["metrics_port"] = metrics_port
+        elif warn is not None:
+            warn(f"warning: --metrics-port {metrics_port} ignored: this installation has no "
+                 "metrics module (flight_server.metrics)")
+    server = ExpstoreFlightServer(db, host=host, port=port, tokens_file=tokens_file,
+                                  tls_cert=tls_cert, tls_key=tls_key, **options)
+    if getattr(server, "metrics_port", None) is not None:
+        log.info("Prometheus metrics on http://%s:%s/metrics", host, server.metrics_port)
+    stopper = _Stopper(server)
+    # Signal handlers can only be installed on the main thread; elsewhere the caller stops us.
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, stopper.on_signal) for sig in STOP_SIGNALS} \
+        if on_main else {}
+    try:
+        print(ready_line(server.location, db), file=out, flush=True)
+        # pyarrow serves "with signals": a signal ends serve() (it sees our handlers installed)
+        # and our handler then runs; the handler's own shutdown covers a signal that arrives
+        # before serve() is entered.
+        server.serve()
+        stopper.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.close()
+    log.info("server on %s stopped%s", server.location,
+             f" by {signal.Signals(stopper.signum).name}" if stopper.signum else "")
+    return 0
+
+
+class _Stopper:
+    """Signal handler that shuts the server down once, from a helper thread."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.signum: int | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        with self._lock:
+            if self._thread is not None:
+                return
+            self.signum = signum
+            self._thread = threading.Thread(target=self.server.shutdown,
+                                            name="expstore-shutdown", daemon=True)
+            self._thread.start()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()

@@ -1,0 +1,452 @@
+"""The ``expstore`` CLI through click's CliRunner, on real DuckDB files and a real Flight server.
+
+Commands that read or change a store run against both backends (``--db`` embedded and ``--uri``
+to an in-process server over a file in tmp_path); bad input must end with a one-line message and
+a non-zero exit status, never a traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import importlib.util
+import io
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import click
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner, Result
+
+import store
+from expstore.cli import cli
+from flight_server.server import ExpstoreFlightServer
+
+ROWS = 25
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> Result:
+    # EXPSTORE_* from the developer's shell must not leak into the tests.
+    base = {"EXPSTORE_DB": None, "EXPSTORE_URI": None, "EXPSTORE_TOKEN": None}
+    return CliRunner().invoke(cli, list(args), env={**base, **(env or {})})
+
+
+def ok(result: Result) -> Result:
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+def fails(result: Result, code: int, *needles: str) -> Result:
+    """A clean failure: the exit status, the message, and no traceback."""
+    assert result.exit_code == code, (result.output, result.exception)
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in result.output, (needle, result.output)
+    return result
+
+
+def as_json(result: Result) -> Any:
+    return json.loads(ok(result).stdout)
+
+
+def seed(s: Any, table: str = "solver", rows: int = ROWS) -> None:
+    s.create_table(table, {"prompt": "string", "tokens": "list<int32>", "reward": "float64"},
+                   storage={"prompt": "ref"})
+    s.put(table, [{"sample_id": f"q{i}_0_0", "prompt": f"prompt {i} " + "x" * 80,
+                   "tokens": [i, i + 1], "reward": i / 2} for i in range(rows)])
+
+
+# -- backends ------------------------------------------------------------------------------------
+@dataclass
+class Backend:
+    """Where the CLI points (``args``) and how a test seeds the same store (``open``)."""
+
+    name: str
+    args: list[str]
+    open: Callable[[], contextlib.AbstractContextManager]
+    db: str
+
+    def run(self, *args: str) -> Result:
+        return invoke(*args, *self.args)
+
+
+@contextlib.contextmanager
+def _opened(address: str) -> Iterator[Any]:
+    """The store at a path (embedded) or grpc:// address (remote), closed afterwards."""
+    s = store.connect(address)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(params=["embedded", "remote"])
+def backend(request, tmp_path) -> Iterator[Backend]:
+    db = str(tmp_path / "x.duckdb")
+    if request.param == "embedded":
+        yield Backend("embedded", ["--db", db], lambda: _opened(db), db)
+        return
+    server = ExpstoreFlightServer(db, host="127.0.0.1", port=0)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        yield Backend("remote", ["--uri", server.location], lambda: _opened(server.location), db)
+    finally:
+        server.close()
+        thread.join(timeout=30)
+
+
+@pytest.fixture
+def seeded(backend) -> Backend:
+    with backend.open() as s:
+        seed(s)
+    return backend
+
+
+# -- help ------------------------------------------------------------------------------------------
+def _walk(command: click.Command, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    yield path
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            yield from _walk(sub, path + (name,))
+
+
+ALL_COMMANDS = list(_walk(cli))
+
+
+def test_the_cli_has_every_command_of_the_design():
+    names = {" ".join(p) for p in ALL_COMMANDS}
+    for expected in ["serve", "migrate", "tables", "create-table", "describe", "query", "stats",
+                     "version show", "version bump", "leases", "export", "gc", "demo", "bench"]:
+        assert expected in names
+
+
+@pytest.mark.parametrize("path", ALL_COMMANDS, ids=lambda p: " ".join(p) or "expstore")
+def test_every_command_has_help_with_an_example(path):
+    command: click.Command = cli
+    for name in path:
+        command = command.commands[name]  # type: ignore[attr-defined]
+    assert command.help and "Example:" in command.help, path
+    summary = command.help.strip().splitlines()[0]
+    assert summary and len(summary) < 100
+    result = ok(invoke(*path, "--help"))
+    assert "Example:" in result.output
+
+
+# -- choosing the store -----------------------------------------------------------------------------
+def test_a_missing_database_is_an_error_and_is_not_created(tmp_path):
+    db = tmp_path / "none.duckdb"
+    fails(invoke("tables", "--db", str(db)), 1, "does not exist")
+    assert not db.exists()
+
+
+def test_db_from_the_environment(tmp_path):
+    db = str(tmp_path / "env.duckdb")
+    with _opened(db) as s:
+        seed(s)
+    assert json.loads(ok(invoke("tables", "--json", env={"EXPSTORE_DB": db})).stdout) == \
+        ["solver"]
+
+
+def test_db_and_uri_together_are_refused(tmp_path):
+    fails(invoke("tables", "--db", str(tmp_path / "x.duckdb"), "--uri", "grpc://127.0.0.1:1"),
+          2, "not both")
+
+
+def test_explicit_db_beats_uri_from_the_environment(tmp_path):
+    db = str(tmp_path / "x.duckdb")
+    with _opened(db) as s:
+        seed(s)
+    result = invoke("tables", "--db", db, env={"EXPSTORE_URI": "grpc://127.0.0.1:1"})
+    assert ok(result).stdout.split() == ["solver"]
+
+
+def test_an_unreachable_server_is_a_clear_error():
+    fails(invoke("tables", "--uri", "grpc://127.0.0.1:1"), 1, "no expstore server answers")
+
+
+def test_an_unknown_uri_scheme_is_a_clear_error():
+    fails(invoke("tables", "--uri", "http://127.0.0.1:1"), 1, "unknown scheme")
+
+
+# -- create-table / tables / describe ---------------------------------------------------------------
+def test_create_table_and_describe(backend):
+    out = as_json(backend.run(
+        "create-table", "solver", "prompt:string", "response:string", "tokens:list<int32>",
+        "reward:float64", "--storage", "response=ref", "--required", "prompt",
+        "--max-staleness", "2", "--version-group", "grp", "--max-deliveries", "3",
+        "--lease-seconds", "30", "--json"))
+    assert out["name"] == "solver" and out["version_group"] == "grp"
+    assert out["max_staleness"] == 2 and out["max_deliveries"] == 3
+    cols = {c["name"]: c for c in out["columns"]}
+    assert cols["tokens"]["type"] == "list<int32>"
+    assert cols["response"]["storage"] == "ref"
+    assert cols["prompt"]["required"] and not cols["reward"]["required"]
+
+    assert as_json(backend.run("tables", "--json")) == ["solver"]
+    assert ok(backend.run("tables")).stdout.split() == ["solver"]
+    assert as_json(backend.run("describe", "solver", "--json"))["columns"] == out["columns"]
+    text = ok(backend.run("describe", "solver")).stdout
+    assert "version_group" in text and "list<int32>" in text and "response" in text
+
+
+def test_create_table_twice(backend):
+    ok(backend.run("create-table", "t", "a:int64"))
+    fails(backend.run("create-table", "t", "a:int64"), 1, "already exists")
+    ok(backend.run("create-table", "t", "a:int64", "--if-not-exists"))
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["t", "a:floaty"], 1, "unknown column type 'floaty'"),
+    (["t", "a"], 2, "is not NAME:TYPE"),
+    (["t", "a:int64", "a:int64"], 2, "given twice"),
+    (["t"], 2, "Missing argument"),
+    (["bad name", "a:int64"], 1, "bad name"),
+    (["t", "a:int64", "--storage", "a"], 2, "COLUMN=MODE"),
+    (["t", "a:int64", "--required", "b"], 1, "'b'"),
+], ids=["bad-type", "no-colon", "twice", "no-columns", "bad-name", "bad-storage", "bad-required"])
+def test_create_table_bad_input(tmp_path, args, code, message):
+    fails(invoke("create-table", *args, "--db", str(tmp_path / "x.duckdb")), code, message)
+
+
+def test_describe_an_unknown_table(seeded):
+    fails(seeded.run("describe", "nope"), 1, "'nope' does not exist", "solver")
+
+
+def test_tables_when_there_are_none(tmp_path):
+    db = str(tmp_path / "x.duckdb")
+    ok(invoke("migrate", "--db", db))
+    assert as_json(invoke("tables", "--db", db, "--json")) == []
+
+
+# -- query ---------------------------------------------------------------------------------------
+def test_query_json(seeded):
+    rows = as_json(seeded.run("query", "SELECT sample_id, reward, tokens FROM solver "
+                                       "ORDER BY reward LIMIT 3", "--json"))
+    assert rows == [{"sample_id": f"q{i}_0_0", "reward": i / 2, "tokens": [i, i + 1]}
+                    for i in range(3)]
+    assert as_json(seeded.run("query", "SELECT count(*) AS n FROM solver",
+                              "--format", "json")) == [{"n": ROWS}]
+
+
+def test_query_params(seeded):
+    rows = as_json(seeded.run("query", "SELECT sample_id FROM solver WHERE reward >= ? AND "
+                                       "sample_id LIKE ? ORDER BY reward",
+                              "-p", "11.5", "-p", "q2%", "--json"))
+    assert rows == [{"sample_id": "q23_0_0"}, {"sample_id": "q24_0_0"}]
+
+
+def test_query_table_format_is_aligned_and_cut(seeded):
+    out = ok(seeded.run("query", "SELECT sample_id, prompt, prompt__ref, reward FROM solver "
+                                 "ORDER BY reward LIMIT 2", "--max-width", "20")).stdout
+    lines = out.splitlines()
+    assert lines[0].split() == ["sample_id", "prompt", "reward"]
+    assert set(lines[1]) <= {"-", " "}
+    assert "prompt 0 xxxxxxxxxx…" in lines[2]  # 20 characters, cut with an ellipsis
+    assert lines[2].index("prompt 0") == lines[0].index("prompt")  # aligned
+    assert lines[-1] == "(2 rows)"
+
+
+def test_query_csv(seeded, tmp_path):
+    out = ok(seeded.run("query", "SELECT sample_id, tokens, reward FROM solver ORDER BY reward",
+                        "--format", "csv")).stdout
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert len(rows) == ROWS
+    assert rows[3] == {"sample_id": "q3_0_0", "tokens": "[3, 4]", "reward": "1.5"}
+    target = tmp_path / "out.csv"
+    ok(seeded.run("query", "SELECT sample_id FROM solver", "--format", "csv", "-o", str(target)))
+    assert len(target.read_text().splitlines()) == ROWS + 1
+
+
+def test_query_parquet(seeded, tmp_path):
+    target = tmp_path / "out.parquet"
+    ok(seeded.run("query", "SELECT sample_id, prompt, prompt__ref, tokens FROM solver",
+                  "--format", "parquet", "--output", str(target)))
+    table = pq.read_table(target)
+    assert table.num_rows == ROWS
+    assert table.column_names == ["sample_id", "prompt", "tokens"]  # reference resolved
+    assert all(p.startswith("prompt ") for p in table.column("prompt").to_pylist())
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["DELETE FROM solver"], 1, "read-only"),
+    (["SELECT * FROM nope"], 1, "nope"),
+    (["SELECT FROM WHERE"], 1, "syntax error"),
+    (["SELECT 1", "--format", "parquet"], 2, "needs --output"),
+    (["SELECT 1", "--format", "csv", "--json"], 2, "exclude each other"),
+    (["SELECT 1", "--format", "xml"], 2, "'xml' is not one of"),
+    (["SELECT 1", "--timeout", "0"], 2, "--timeout"),
+], ids=["write", "unknown-table", "syntax", "parquet-no-output", "json-and-csv", "bad-format",
+        "bad-timeout"])
+def test_query_bad_input(seeded, args, code, message):
+    fails(seeded.run("query", *args), code, message)
+
+
+def test_query_timeout_is_passed_on(seeded):
+    assert as_json(seeded.run("query", "SELECT 1 AS one", "--timeout", "5", "--json")) == \
+        [{"one": 1}]
+
+
+# -- stats / leases / versions -------------------------------------------------------------------
+def test_stats(seeded):
+    with seeded.open() as s:
+        claim = s.claim("solver", 4, lease_seconds=600)
+        s.ack(claim.claim_id)
+        s.claim("solver", 3, lease_seconds=600)
+    data = as_json(seeded.run("stats", "--json"))
+    assert data["solver"]["rows"] == ROWS and data["solver"]["consumed"] == 4
+    one = as_json(seeded.run("stats", "solver", "--json"))
+    assert one["solver"]["rows_per_version"] == {"0": ROWS}
+    text = ok(seeded.run("stats", "solver")).stdout
+    assert text.splitlines()[0].split()[:4] == ["table", "group", "version", "rows"]
+    assert "rows per policy version: v0: 25" in text
+    fails(seeded.run("stats", "nope"), 1, "'nope' does not exist")
+
+
+def test_stats_watch_is_bounded_by_count(seeded):
+    lines = ok(seeded.run("stats", "--watch", "--count", "3", "--interval", "0.05",
+                          "--json")).stdout.splitlines()
+    assert len(lines) == 3
+    assert all(json.loads(line)["solver"]["rows"] == ROWS for line in lines)
+    text = ok(seeded.run("stats", "--watch", "--count", "2", "--interval", "0.05")).stdout
+    assert text.count("Ctrl-C to stop") == 2
+
+
+def test_leases(seeded):
+    with seeded.open() as s:
+        claim = s.claim("solver", 5, consumer="trainer-7", lease_seconds=600)
+    current = as_json(seeded.run("leases", "--json"))
+    assert [(c["claim_id"], c["consumer"], c["rows"]) for c in current] == \
+        [(claim.claim_id, "trainer-7", {"solver": 5})]
+    assert as_json(seeded.run("leases", "solver", "--json"))[0]["claim_id"] == claim.claim_id
+    text = ok(seeded.run("leases")).stdout
+    assert claim.claim_id in text and "trainer-7" in text and "solver:5" in text
+
+
+def test_leases_when_there_are_none(seeded):
+    assert as_json(seeded.run("leases", "--json")) == []
+    assert "no active leases" in ok(seeded.run("leases")).output
+
+
+def test_version_show_and_bump(seeded):
+    assert as_json(seeded.run("version", "show", "solver", "--json")) == \
+        {"table": "solver", "version_group": "solver", "version": 0, "weights_uri": None}
+    assert "solver: version 1" in ok(seeded.run("version", "bump", "solver")).stdout
+    out = as_json(seeded.run("version", "bump", "solver", "--expected", "1",
+                             "--weights-uri", "s3://ckpt/2", "--json"))
+    assert out == {"table": "solver", "version": 2, "weights_uri": "s3://ckpt/2"}
+    fails(seeded.run("version", "bump", "solver", "--expected", "1"), 1, "expected 1")
+    shown = ok(seeded.run("version", "show", "solver")).stdout
+    assert "s3://ckpt/2" in shown and "2" in shown
+    fails(seeded.run("version", "show", "nope"), 1, "'nope' does not exist")
+    fails(seeded.run("version", "bump", "solver", "--expected", "x"), 2, "'x' is not a valid")
+
+
+# -- export / gc / migrate ------------------------------------------------------------------------
+def test_export_table_parquet_in_chunks(seeded, tmp_path):
+    target = tmp_path / "solver.parquet"
+    out = as_json(seeded.run("export", "solver", "-o", str(target), "--chunk-rows", "7",
+                             "--json"))
+    assert out == {"rows": ROWS, "output": str(target), "format": "parquet", "source": "solver"}
+    table = pq.read_table(target)
+    assert table.num_rows == ROWS
+    assert table.column("row_id").to_pylist() == sorted(table.column("row_id").to_pylist())
+    assert len(set(table.column("sample_id").to_pylist())) == ROWS
+    assert "prompt__ref" not in table.column_names
+    assert all(p.startswith("prompt ") for p in table.column("prompt").to_pylist())
+    assert not os.path.exists(f"{target}.partial")
+
+
+def test_export_table_jsonl(seeded, tmp_path):
+    target = tmp_path / "solver.jsonl"
+    text = ok(seeded.run("export", "solver", "--output", str(target))).stdout
+    assert f"exported {ROWS} rows" in text and "(jsonl)" in text
+    rows = [json.loads(line) for line in target.read_text().splitlines()]
+    assert len(rows) == ROWS
+    by_id = {r["sample_id"]: r for r in rows}
+    assert by_id["q3_0_0"]["tokens"] == [3, 4] and by_id["q3_0_0"]["reward"] == 1.5
+    assert isinstance(by_id["q3_0_0"]["created_at"], str)
+
+
+def test_export_sql(seeded, tmp_path):
+    target = tmp_path / "good.data"
+    out = as_json(seeded.run("export", "--sql", "SELECT sample_id, reward FROM solver WHERE "
+                             "reward >= 10", "-o", str(target), "--format", "jsonl",
+                             "--chunk-rows", "2", "--json"))
+    assert out["rows"] == 5 and out["format"] == "jsonl"
+    assert sorted(json.loads(line)["reward"] for line in target.read_text().splitlines()) == \
+        [10.0, 10.5, 11.0, 11.5, 12.0]
+    parquet = tmp_path / "good.parquet"
+    ok(seeded.run("export", "--sql", "SELECT sample_id FROM solver", "-o", str(parquet)))
+    assert pq.read_table(parquet).num_rows == ROWS
+
+
+def test_export_an_empty_table(backend, tmp_path):
+    ok(backend.run("create-table", "empty", "a:int64"))
+    target = tmp_path / "empty.parquet"
+    ok(backend.run("export", "empty", "-o", str(target)))
+    table = pq.read_table(target)
+    assert table.num_rows == 0 and "a" in table.column_names
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["nope", "-o", "{tmp}/n.parquet"], 1, "'nope' does not exist"),
+    (["-o", "{tmp}/n.parquet"], 2, "TABLE or --sql"),
+    (["solver", "--sql", "SELECT 1", "-o", "{tmp}/n.parquet"], 2, "TABLE or --sql"),
+    (["solver"], 2, "--output"),
+    (["--sql", "DROP TABLE solver", "-o", "{tmp}/n.parquet"], 1, "read-only"),
+    (["solver", "-o", "{tmp}/no/such/dir/n.parquet"], 1, "n.parquet.partial"),
+], ids=["unknown-table", "no-source", "two-sources", "no-output", "write-sql", "bad-dir"])
+def test_export_bad_input(seeded, tmp_path, args, code, message):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    fails(seeded.run("export", *args), code, message)
+    assert not (tmp_path / "n.parquet").exists()
+    assert not (tmp_path / "n.parquet.partial").exists()
+
+
+def test_gc(seeded):
+    out = as_json(seeded.run("gc", "--json"))
+    assert set(out) >= {"segments_removed", "bytes_freed"}
+    assert "segments_removed" in ok(seeded.run("gc")).stdout
+
+
+def test_migrate(tmp_path):
+    import migrations
+
+    db = str(tmp_path / "m.duckdb")
+    first = as_json(invoke("migrate", "--db", db, "--json"))
+    assert first == {"db": db, "from": None, "to": migrations.head(), "head": migrations.head()}
+    again = ok(invoke("migrate", "--db", db)).stdout
+    assert "already there" in again
+    with _opened(db) as s:  # the migrated catalog opens as a store
+        assert s.list_tables() == []
+
+
+def test_migrate_to_an_unknown_revision(tmp_path):
+    fails(invoke("migrate", "--db", str(tmp_path / "m.duckdb"), "--revision", "nosuch"), 1,
+          "'nosuch'")
+
+
+# -- entry points owned by other packages ---------------------------------------------------------
+def test_bench_passes_its_arguments_on():
+    result = ok(invoke("bench", "--list"))
+    assert "flight_raw" in result.output
+
+
+@pytest.mark.skipif(importlib.util.find_spec("consumers.demo") is not None,
+                    reason="consumers.demo exists; the demo is tested with it")
+def test_demo_names_the_missing_module():
+    fails(invoke("demo"), 1, "consumers.demo")
+
+
+def test_every_command_is_documented_in_docs_cli_md():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    headings = [line for line in doc.splitlines() if line.startswith("## ")]
+    for path in ALL_COMMANDS[1:]:
+        name = " ".join(path)
+        assert any(f"`{name}" in h for h in headings), f"docs/cli.md has no section on {name!r}"

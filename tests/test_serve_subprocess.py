@@ -1,0 +1,203 @@
+"""End to end: the server as a separate process (``python -m flight_server`` and
+``expstore serve``), used through ``store.connect("grpc://…")`` and the CLI's ``--uri``, stopped
+with SIGTERM / SIGINT; the data must still be there when the file is reopened embedded.
+
+Readiness is the server's one "expstore serving …" line, read from its stdout with a deadline.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Iterator
+
+import pytest
+from click.testing import CliRunner
+
+import store
+from expstore.cli import cli
+
+REPO = Path(__file__).resolve().parent.parent
+READY_TIMEOUT = 60.0
+STOP_TIMEOUT = 60.0
+
+
+_numbers = itertools.count()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server subprocess whose stdout lines arrive on a queue (read by a thread)."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+        for name in ("EXPSTORE_DB", "EXPSTORE_URI", "EXPSTORE_TOKEN"):
+            env.pop(name, None)
+        self.stderr_path = cwd / f"server-{next(_numbers)}.stderr"
+        self._stderr = open(self.stderr_path, "w")
+        self.proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env,
+                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> str:
+        """The ready line; fails with the server's stderr if it does not come in time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                line = self.lines.get(timeout=max(remaining, 0.01))
+            except queue.Empty:
+                line = ""
+            if line and line.startswith("expstore serving "):
+                return line
+            if line is None or remaining <= 0:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"server not ready (exit {self.proc.returncode}); stderr:\n"
+                                     f"{self.stderr_path.read_text()}")
+
+    def stop(self, sig: int) -> int:
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"server did not stop on {signal.Signals(sig).name}; stderr:\n"
+                                 f"{self.stderr_path.read_text()}")
+
+    def remaining_stdout(self) -> list[str]:
+        self._reader.join(timeout=10)
+        out = []
+        while True:
+            line = self.lines.get_nowait() if not self.lines.empty() else None
+            if line is None:
+                return out
+            out.append(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:  # a failed test: do not leave the server behind
+            self.proc.kill()
+            self.proc.wait()
+        self._stderr.close()
+
+
+@pytest.fixture
+def start_server(tmp_path) -> Iterator:
+    started: list[ServerProcess] = []
+
+    def _start(*args: str) -> ServerProcess:
+        server = ServerProcess(list(args), tmp_path)
+        started.append(server)
+        return server
+
+    yield _start
+    for server in started:
+        server.close()
+
+
+def cli_json(*args: str) -> object:
+    result = CliRunner().invoke(cli, [*args, "--json"],
+                                env={"EXPSTORE_DB": None, "EXPSTORE_URI": None})
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_python_m_flight_server_end_to_end(start_server, tmp_path):
+    db = tmp_path / "x.duckdb"
+    port = free_port()
+    server = start_server("-m", "flight_server", "--db", str(db), "--port", str(port))
+    line = server.wait_ready()
+    uri = f"grpc://127.0.0.1:{port}"
+    assert line == f"expstore serving {uri} (db {db})"
+
+    with store.connect(uri) as s:
+        s.create_table("solver", {"prompt": "string", "reward": "float64"})
+        s.put("solver", [{"sample_id": f"q{i}_0_0", "prompt": f"p{i}", "reward": float(i)}
+                         for i in range(10)])
+        done = s.claim("solver", 4, consumer="trainer-0", lease_seconds=600)
+        assert done.data.num_rows == 4
+        assert s.ack(done.claim_id)["acked"] == 4
+        open_claim = s.claim("solver", 2, consumer="trainer-1", lease_seconds=600)
+
+    # The CLI against the running server.
+    assert cli_json("tables", "--uri", uri) == ["solver"]
+    stats = cli_json("stats", "solver", "--uri", uri)
+    assert stats["solver"]["consumed"] == 4 and stats["solver"]["processing"] == 2
+    leases = cli_json("leases", "--uri", uri)
+    assert [lease["claim_id"] for lease in leases] == [open_claim.claim_id]
+    assert cli_json("query", "SELECT count(*) AS n FROM solver WHERE consumed", "--uri", uri) \
+        == [{"n": 4}]
+    assert cli_json("version", "bump", "solver", "--weights-uri", "file:///ckpt/1",
+                    "--uri", uri)["version"] == 1
+    export = tmp_path / "solver.parquet"
+    assert cli_json("export", "solver", "-o", str(export), "--uri", uri)["rows"] == 10
+
+    # While the server owns the file, the embedded path is refused with a hint, not a traceback.
+    locked = CliRunner().invoke(cli, ["tables", "--db", str(db)], env={"EXPSTORE_URI": None})
+    assert locked.exit_code == 1 and "Traceback" not in locked.output
+    assert "in use by another process" in locked.output and "--uri" in locked.output
+
+    assert server.stop(signal.SIGTERM) == 0
+    assert server.remaining_stdout() == []  # exactly one line on stdout: the ready line
+
+    with store.connect(str(db)) as s:
+        assert s.list_tables() == ["solver"]
+        assert s.get_version("solver") == 1
+        assert s.weights_uri("solver") == "file:///ckpt/1"
+        counts = s.query("SELECT count(*) AS n, count(*) FILTER (WHERE consumed) AS consumed "
+                         "FROM solver").to_pylist()
+        assert counts == [{"n": 10, "consumed": 4}]
+
+
+def test_expstore_serve_stops_on_sigint(start_server, tmp_path):
+    db = tmp_path / "y.duckdb"
+    server = start_server("-m", "expstore.cli", "serve", "--db", str(db), "--port", "0")
+    line = server.wait_ready()
+    assert line.startswith("expstore serving grpc://127.0.0.1:") and line.endswith(f"(db {db})")
+    uri = line.split()[2]
+
+    with store.connect(uri) as s:
+        s.create_table("t", {"a": "int64"})
+        s.put("t", {"sample_id": ["q1_0_0", "q2_0_0"], "a": [1, 2]})
+    assert cli_json("describe", "t", "--uri", uri)["name"] == "t"
+
+    assert server.stop(signal.SIGINT) == 0
+    assert "Traceback" not in server.stderr_path.read_text()
+
+    rows = CliRunner().invoke(cli, ["query", "SELECT a FROM t ORDER BY a", "--db", str(db),
+                                    "--json"], env={"EXPSTORE_URI": None})
+    assert rows.exit_code == 0, rows.output
+    assert json.loads(rows.stdout) == [{"a": 1}, {"a": 2}]
+
+
+def test_serve_refuses_a_locked_database(start_server, tmp_path):
+    db = tmp_path / "z.duckdb"
+    first = start_server("-m", "flight_server", "--db", str(db), "--port", "0")
+    first.wait_ready()
+    second = start_server("-m", "flight_server", "--db", str(db), "--port", "0")
+    assert second.proc.wait(timeout=READY_TIMEOUT) == 1
+    err = second.stderr_path.read_text()
+    assert "in use by another process" in err and "Traceback" not in err
+    assert first.stop(signal.SIGTERM) == 0
