@@ -72,5 +72,13 @@ class Metrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the HTTP endpoint (``/metrics``); returns the port it listens on."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
+        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint, if started."""
+        http = getattr(self, "_http", None)
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+            self._http = None

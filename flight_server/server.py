@@ -180,7 +180,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
                                       f"{MAX_TICKET_BYTES}")
             try:
                 doc = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:
                 raise InvalidArgument(f"ticket is not valid JSON: {e}; expected "
                                       "{\"sql\": \"SELECT …\"}") from e
             if not isinstance(doc, dict) or not isinstance(doc.get("sql"), str):
@@ -252,6 +252,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         try:
             self.shutdown()
         finally:
+            self.metrics.close()
             if self._owns_store:
                 self.store.close()
 
