@@ -13,9 +13,10 @@ accumulates, ``step`` is the boundary). A managed engine also works: the loop th
 explicitly with ``engine.set_gradient_accumulation_boundary``.
 
 Acks: by default a micro-batch is acked right after its backward (its gradient is in the
-accumulation cache, the paper's model); ``ack_at_step=True`` acks the whole global batch only after
+accumulation cache, the paper's model). ``ack_at_step=True`` acks the whole global batch only after
 the optimizer step, so a trainer crash mid-batch re-delivers those samples, at the price of holding
-more leases (keep the subscription's lease longer than one global batch takes).
+more leases: the subscription's ``max_in_flight`` must be at least the number of micro-batches per
+global batch, and its lease longer than one global batch takes.
 
 Example (assuming ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` are set)::
 
@@ -170,9 +171,10 @@ class DeepSpeedTrainLoop:
         """
         pending: list[MicroBatchLike] = []
         device = getattr(self.engine, "device", torch.device("cpu"))
+        if max_steps is not None and max_steps <= 0:
+            return
+        steps_at_start = self.step
         for mb in micro_batches:
-            if max_steps is not None and self.step >= max_steps:
-                break
             batch = self.collate_fn(mb.data).to(device)
             if self._managed:
                 self.engine.set_gradient_accumulation_boundary(bool(mb.is_boundary))
@@ -187,6 +189,10 @@ class DeepSpeedTrainLoop:
             if mb.is_boundary:
                 yield self._finish_step(pending, bump_version)
                 pending = []
+                # Stop here, not at the next item: pulling one more would claim (and strand) a
+                # micro-batch of the next global batch.
+                if max_steps is not None and self.step - steps_at_start >= max_steps:
+                    return
 
     def _finish_step(self, pending: list[MicroBatchLike], bump_version: Callable[..., Any]) -> StepReport:
         micro, loss = self.accumulator.micro_batches, self.accumulator.mean_loss

@@ -176,3 +176,27 @@ def test_config_rejects_indivisible_batch_sizes() -> None:
 
     with pytest.raises(ValueError, match="not a multiple"):
         deepspeed_config(micro_batch_size=3, global_batch_size=8)
+
+
+def test_loop_on_a_real_embedded_store_subscription(tmp_path) -> None:
+    """End to end with the store: claims become micro-batches, the boundary bumps the table's version."""
+    store = pytest.importorskip("store", reason="the store package is not importable")
+    from consumers.deepspeed_loop import DeepSpeedTrainLoop, deepspeed_config
+
+    s = store.connect(str(tmp_path / "x.duckdb"))
+    try:
+        s.create_table("solver", {"token_ids": "list<int32>", "logprobs": "list<float32>", "prompt_len": "int32",
+                                  "reward": "float64", "advantage": "float32"})
+        t = make_global_batch(5).drop_columns(["input_id"])
+        s.put("solver", t)
+        sub = s.subscribe("solver", micro_batch_size=4, global_batch_size=8, idle_timeout=5)
+        model = build_tiny_lm(seed=8)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model.parameters()),
+                                          config=deepspeed_config(micro_batch_size=4, global_batch_size=8))
+        loop = DeepSpeedTrainLoop(engine, lambda eng, b: grpo_loss(eng, b), tmp_path / "weights")
+        reports = list(loop.run(sub, sub.bump_version, max_steps=1))
+        assert len(reports) == 1 and reports[0].version == 1 == s.get_version("solver")
+        assert reports[0].micro_batches == 2 and reports[0].count == collate(t).num_loss_tokens
+        assert load_state_dict(reports[0].weights_uri).keys() == engine.module.state_dict().keys()
+    finally:
+        s.close()

@@ -5,9 +5,9 @@ the tiny backend work on machines without it.
 
 Weights: :meth:`VLLMBackend.load_weights` accepts either a Hugging Face model directory (the engine
 is rebuilt from it: slow, but any format vLLM reads) or a state dict published by
-:func:`producers.rollout.weights.publish_state_dict` with Hugging Face parameter names (loaded in
-place through the model's own ``load_weights`` on every worker, then the prefix cache is reset so no
-KV computed by the old weights is reused).
+:func:`producers.rollout.weights.publish_state_dict` with Hugging Face parameter names (reloaded in
+place on every worker through ``collective_rpc``, then the prefix cache is reset so no KV computed
+by the old weights is reused).
 
 Streaming: ``vllm.LLM`` is an offline engine without per-token callbacks, so ``on_partial`` is
 called once per sample, with ``finished=True``, when the batch completes.
@@ -42,8 +42,13 @@ def _load_state_dict_on_worker(worker: Any, path: str) -> int:
 
     state = torch.load(path, map_location="cpu", weights_only=True)
     runner = worker.model_runner
-    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-    model.load_weights(weights=iter(state.items()))
+    if hasattr(runner, "reload_weights"):
+        # vLLM >= 0.32: re-runs the layers' post-load processing (the CPU backend repacks weights
+        # into kernel formats whose parameters a plain model.load_weights can no longer address).
+        runner.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)
+    else:
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        model.load_weights(weights=iter(state.items()))
     return len(state)
 
 
