@@ -169,7 +169,8 @@ class Writer:
             self._store._expire_leases()
             self._flush_due = None  # this group writes any pending lease bookkeeping too
             if ops or self._store._has_pending_row_updates():
-                self._run_group(ops)
+                for part in _bumps_apart(ops):
+                    self._run_group(part)
             if stop:
                 self._drain_closed()
                 return
@@ -501,11 +502,19 @@ class Writer:
                 continue
             if op.ack:
                 version = store._versions[store._live[tname].tdef.version_group]
-                self._con.execute(
-                    f"UPDATE {quote(tname)} SET consumed = true, is_processing = false, "
-                    "consumed_version = ?, lease_id = ?, updated_at = now() "
-                    "WHERE row_id IN (SELECT unnest(?::BIGINT[]))",
-                    [version, lease.claim_id, [r.row_id for r, _ in rows]])
+                # The claim's lease columns may not be flushed yet (and never will be once the
+                # row is consumed), so the ack writes the delivery count and owner itself.
+                acked = pa.table({
+                    "row_id": pa.array([r.row_id for r, _ in rows], pa.int64()),
+                    "delivery_count": pa.array([r.deliveries for r, _ in rows], pa.int32()),
+                })
+                with registered(self._con, "_expstore_ack", acked):
+                    self._con.execute(
+                        f"UPDATE {quote(tname)} AS t SET consumed = true, is_processing = false, "
+                        "consumed_version = ?, lease_id = ?, lease_owner = ?, "
+                        "delivery_count = b.delivery_count, updated_at = now() "
+                        "FROM _expstore_ack AS b WHERE t.row_id = b.row_id",
+                        [version, lease.claim_id, lease.owner])
                 continue
             tbl = pa.table({
                 "row_id": pa.array([r.row_id for r, _ in rows], pa.int64()),
@@ -601,6 +610,24 @@ def registered(con: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> It
             con.unregister(name)
         except duckdb.Error:  # an aborted transaction refuses even this; ROLLBACK follows
             pass
+
+
+def _bumps_apart(ops: list[Op]) -> list[list[Op]]:
+    """Split a group so that every version bump commits in a transaction of its own.
+
+    Why: puts are checked against, and nacks settled by, the in-memory versions and rows, which a
+    transaction updates only after its commit. A put sharing a transaction with a bump would be
+    checked against the old version, and its rows would miss the bump's stale marking: a
+    strictly on-policy trainer would then be handed samples of the previous policy.
+    """
+    parts: list[list[Op]] = [[]]
+    for op in ops:
+        if isinstance(op, BumpOp):
+            parts.append([op])
+            parts.append([])
+        else:
+            parts[-1].append(op)
+    return [p for p in parts if p] or [[]]
 
 
 def _fail(op: Op, error: BaseException) -> None:
