@@ -180,3 +180,42 @@ def test_wait_version(any_store):
     s.bump_version("t")
     th.join(10)
     assert not th.is_alive() and got == [2]
+
+
+def test_puts_racing_a_bump_never_leave_old_rows_ready(any_store):
+    """A put committed together with a bump must be checked against, and marked stale by, it."""
+    s = any_store
+    s.create_table("t", {"reward": "float64"}, max_staleness=0)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def producer(k: int) -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                version = s.get_version("t")
+                try:
+                    s.put("t", {"sample_id": [f"p{k}x{i}_0_{j}" for j in range(4)],
+                                "policy_version": [version] * 4, "reward": [1.0] * 4})
+                except StaleVersion:
+                    pass
+                i += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=producer, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(30):
+            new = s.bump_version("t")
+            claim = s.claim("t", 1000)
+            if claim:
+                old = [v for v in claim.data.column("policy_version").to_pylist() if v < new]
+                assert not old, f"rows of version(s) {set(old)} delivered at version {new}"
+                s.ack(claim.claim_id)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert not errors, errors
