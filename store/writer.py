@@ -429,6 +429,7 @@ class Writer:
                             f"FROM _expstore_old AS b WHERE t.row_id = b.row_id")
 
         payload = None
+        complete: list[bool] = []
         if len(data_cols) == len(tdef.columns):
             # The write carries every data column: the row's claimable values are all here.
             cols: dict[str, Any] = {n: physical.column(n) for n in
@@ -443,6 +444,11 @@ class Writer:
             for c in tdef.columns:
                 cols[c.status] = pc.coalesce(physical.column(c.status), False)
             payload = pa.table(cols).cast(live.payload_schema)
+            # Per row: a null value leaves the stored one, which this batch does not hold, so
+            # only rows that wrote every data column may take their values from it.
+            complete = np.logical_and.reduce([
+                physical.column(f"{c.name}__w").to_numpy(zero_copy_only=False).astype(bool)
+                for c in tdef.columns]).tolist()
         input_ids = physical.column("input_id").to_pylist()
         turns = physical.column("turn").to_pylist()
         trajs = physical.column("trajectory_id").to_pylist()
@@ -468,12 +474,12 @@ class Writer:
                     row = Row(rid, key[0], key[1], input_ids[i], turns[i], trajs[i])
                     rows[key] = row
                 row.mask = (row.mask & ~clears[i]) | sets[i]
-                row.payload = (payload, i) if payload is not None else None
+                row.payload = (payload, i) if payload is not None and complete[i] else None
                 if row.state == LEASED:
                     continue
                 if row.mask & required == required:
                     live.make_ready(row)
-                    if payload is None:
+                    if row.payload is None:
                         txn.need_payload.append((live, row))
                 else:
                     live.unready(row)
