@@ -1,0 +1,70 @@
+"""The issue's targets, each a ratio of two figures of the same run (or a figure against a
+fixed bound), evaluated to PASS, MISS or pending (a figure is missing: not run or skipped)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from bench.context import Results
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    text: str
+    measured: str  # metric key
+    baseline: str | None  # metric key; None: compare ``measured`` with ``bound`` itself
+    bound: float
+    at_least: bool  # True: ratio ≥ bound; False: ratio ≤ bound
+
+    def evaluate(self, results: Results) -> tuple[float | None, str]:
+        """(ratio or value, "PASS" | "MISS" | "pending")."""
+        value = results.get(self.measured)
+        base = results.get(self.baseline) if self.baseline else 1.0
+        if value is None or base is None or base == 0:
+            return None, "pending"
+        ratio = value / base
+        ok = ratio >= self.bound if self.at_least else ratio <= self.bound
+        return ratio, "PASS" if ok else "MISS"
+
+    @property
+    def bound_text(self) -> str:
+        op = "≥" if self.at_least else "≤"
+        if self.baseline is None:
+            unit = {"pct": "%", "ms": " ms"}.get(self.measured.rsplit("_", 1)[-1], "x")
+            return f"{op} {self.bound:g}{unit}"
+        if self.bound < 1 and self.at_least:
+            return f"{op} {self.bound:.0%}"
+        return f"{op} {self.bound:g}x"
+
+
+T = Target
+TARGETS = [
+    T("wide ingest vs raw Flight MB/s", "expstore_ingest.wide_mb_per_s",
+      "flight_raw.wide_mb_per_s", 0.70, True),
+    T("narrow ingest vs DuckDB bulk insert rows/s", "expstore_ingest.narrow_rows_per_s",
+      "duckdb_bulk.narrow_whole_rows_per_s", 0.80, True),
+    T("64 one-sample producers vs raw Flight one-row puts/s", "expstore_ingest.put1_64_per_s",
+      "flight_raw.puts64_per_s", 0.80, True),
+    T("claim-16 p50 vs raw Flight one-row call p50", "expstore_claims.claim16_p50_ms",
+      "flight_raw.call_p50_ms", 2.0, False),
+    T("claim-16 p99", "expstore_claims.claim16_p99_ms", None, 5.0, False),
+    T("put → delivered p50", "expstore_claims.deliver_p50_ms", None, 5.0, False),
+    T("narrow ingest vs Redis XADD rows/s", "expstore_ingest.narrow_rows_per_s",
+      "redis_streams.narrow_rows_per_s", 10.0, True),
+    T("narrow ingest vs Ray queue rows/s", "expstore_ingest.narrow_rows_per_s",
+      "ray_queue.narrow_rows_per_s", 10.0, True),
+    T("wide ingest vs Redis XADD MB/s", "expstore_ingest.wide_mb_per_s",
+      "redis_streams.wide_mb_per_s", 2.5, True),
+    T("wide ingest vs Ray queue MB/s", "expstore_ingest.wide_mb_per_s",
+      "ray_queue.wide_mb_per_s", 2.5, True),
+    T("claim-16 + ack p50 vs Redis XREADGROUP 16 + XACK p50",
+      "expstore_claims.claim16_ack_p50_ms", "redis_streams.claim16_ack_p50_ms", 1.0, False),
+    T("micro-batch pipeline vs sync (expstore transport)", "pipeline_sim.expstore_speedup",
+      None, 1.8, True),
+    T("micro-batch pipeline overhead vs ideal queue", "pipeline_sim.expstore_overhead_pct",
+      None, 5.0, False),
+]
+
+
+def evaluate(results: Results) -> list[tuple[Target, float | None, str]]:
+    return [(t, *t.evaluate(results)) for t in TARGETS]
