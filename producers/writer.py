@@ -71,6 +71,7 @@ class ExperienceWriter:
         self.rows_written = 0
         self._buffer: dict[tuple[str, int | None], dict[str, Any]] = {}
         self._in_flight = 0
+        self._flushing = 0
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._closed = False
@@ -119,7 +120,15 @@ class ExperienceWriter:
         """Block until everything written so far is durable (or raise the sender's error)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            self._flushing += 1  # the sender sends now instead of waiting for flush_interval
             self._cond.notify_all()
+            try:
+                self._wait_sent(deadline, timeout)
+            finally:
+                self._flushing -= 1
+
+    def _wait_sent(self, deadline: float | None, timeout: float | None) -> None:
+        with self._cond:
             while self._buffer or self._in_flight:
                 self._raise_if_failed()
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -170,7 +179,7 @@ class ExperienceWriter:
                 deadline = time.monotonic() + self.flush_interval
                 while not self._closed and len(self._buffer) < self.batch_rows:
                     remaining = deadline - time.monotonic()
-                    if remaining <= 0 and self._buffer:
+                    if (remaining <= 0 or self._flushing) and self._buffer:
                         break
                     self._cond.wait(remaining if remaining > 0 else self.flush_interval)
                 if self._closed and not self._buffer:
