@@ -1,0 +1,185 @@
+"""A plain torch trainer over a micro-batch subscription: FlexMARL's fine-grained pipeline.
+
+For each micro-batch the trainer collates it, computes the loss, backpropagates it through
+:class:`consumers.accumulation.GradientAccumulator` (the scale that makes the accumulated
+gradient equal the global batch's) and acks it: its gradient is in the accumulation cache. At the
+accumulation boundary (``MicroBatch.is_boundary``, set by the subscription) it completes the
+gradient, takes the optimizer step, publishes the weights and calls
+``sub.bump_version(weights_uri=uri)``, so producers load the new policy and the subscription
+starts the next global batch. The model is updated once per global batch, never in between:
+training on micro-batches as they arrive is mathematically one full-batch step
+(``tests/test_consistency.py`` checks it through the Flight server).
+
+The same loop with a DeepSpeed engine is :class:`consumers.deepspeed_loop.DeepSpeedTrainLoop`.
+
+Example (embedded store; a remote ``grpc://`` store's subscription works the same):
+    >>> import store, tempfile, os, torch
+    >>> from consumers.grpo import clipped_policy_loss, token_logprobs
+    >>> from producers.rollout.tiny_lm import build_tiny_lm
+    >>> d = tempfile.mkdtemp()
+    >>> s = store.connect(os.path.join(d, "x.duckdb"))
+    >>> _ = s.create_table("agent", {"token_ids": "list<int32>", "prompt_len": "int32",
+    ...                              "logprobs": "list<float32>", "reward": "float64"})
+    >>> _ = s.put("agent", [{"sample_id": f"q{i // 2}_0_{i % 2}", "token_ids": [256, 1, 2],
+    ...                      "prompt_len": 2, "logprobs": [-5.0], "reward": float(i % 2)}
+    ...                     for i in range(8)])
+    >>> def loss(model, b):
+    ...     lp = token_logprobs(model(b.input_ids, b.position_ids), b.input_ids)
+    ...     return clipped_policy_loss(lp, b.old_logprobs, b.per_token(b.advantages), b.loss_mask)
+    >>> model = build_tiny_lm(seed=0)
+    >>> trainer = TorchTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss, d)
+    >>> sub = s.subscribe("agent", micro_batch_size=4, global_batch_size=8,
+    ...                   group_by="input_id", group_size=2)
+    >>> [(r.step, r.version, r.micro_batches) for r in trainer.run(sub, max_steps=1)]
+    [(1, 1, 2)]
+    >>> s.get_version("agent")
+    1
+    >>> s.close()
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from consumers.accumulation import GradientAccumulator
+from consumers.torch_collate import TorchBatch, collate
+from producers.rollout.weights import prune_published, publish_state_dict
+
+__all__ = ["LossFn", "TrainStep", "TorchTrainer"]
+
+#: ``loss_fn(model, batch) -> (loss_sum, count)``: the micro-batch's summed loss and its number of
+#: units (loss tokens for a token-mean loss, samples for a sample-mean loss).
+LossFn = Callable[[torch.nn.Module, TorchBatch], "tuple[torch.Tensor, int | torch.Tensor]"]
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """What one optimizer step (one global batch) did."""
+
+    step: int
+    version: int
+    micro_batches: int
+    samples: int
+    count: int
+    loss: float
+    weights_uri: str
+    busy_seconds: float
+
+
+class TorchTrainer:
+    """Train a torch model from a subscription (see the module docstring).
+
+    Args:
+        model: the policy; its parameters are what the optimizer updates.
+        optimizer: a torch optimizer over ``model``'s parameters.
+        loss_fn: ``loss_fn(model, batch) -> (loss_sum, count)``.
+        weights_dir: where weights are published after each step.
+        name: prefix of published files (the agent's table in a multi-agent run).
+        global_count: the global batch's unit count if known up front; None derives it from the
+            micro-batches (see :mod:`consumers.accumulation`).
+        collate_fn: table -> :class:`TorchBatch`; default :func:`consumers.torch_collate.collate`.
+        max_grad_norm: clip the *global* gradient's norm before the step (None: no clipping).
+        keep_last: prune older published files, keeping this many (None keeps all).
+        device: where batches go (default: the model's device).
+
+    Attributes:
+        busy: ``(start, end)`` monotonic times of the trainer's compute (one per micro-batch,
+            one per optimizer step), for measuring how much of it overlapped with rollouts.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+                 weights_dir: str | os.PathLike[str], *, name: str = "policy",
+                 global_count: int | None = None,
+                 collate_fn: Callable[[pa.Table], TorchBatch] = collate,
+                 max_grad_norm: float | None = None, keep_last: int | None = None,
+                 device: torch.device | str | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.weights_dir = weights_dir
+        self.name = name
+        self.collate_fn = collate_fn
+        self.max_grad_norm = max_grad_norm
+        self.keep_last = keep_last
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.accumulator = GradientAccumulator(model.parameters(), global_count=global_count)
+        self.step = 0
+        self.samples = 0
+        self.busy: list[tuple[float, float]] = []
+        self._global_samples = 0
+        self._global_busy = 0.0
+
+    @property
+    def busy_seconds(self) -> float:
+        return sum(end - start for start, end in self.busy)
+
+    # -- the two halves of the loop -------------------------------------------------------------
+    def train_micro_batch(self, mb: Any) -> None:
+        """Collate, loss, accumulate the gradient, ack: one gradient-accumulation step."""
+        start = time.monotonic()
+        self.model.train()
+        batch = self.collate_fn(mb.data).to(self.device)
+        loss_sum, count = self.loss_fn(self.model, batch)
+        self.accumulator.backward(loss_sum, count, is_last=bool(mb.is_boundary))
+        self._global_samples += mb.data.num_rows
+        self._record(start)
+        mb.ack()
+
+    def finish_global_batch(self, sub: Any) -> TrainStep:
+        """Optimizer step, publish the weights, bump the version (at the boundary)."""
+        start = time.monotonic()
+        micro, loss = self.accumulator.micro_batches, self.accumulator.mean_loss
+        count = self.accumulator.finish()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        uri = publish_state_dict(self.model.state_dict(), self.weights_dir, self.step,
+                                 name=self.name)
+        self._record(start)
+        version = int(sub.bump_version(weights_uri=uri))
+        if self.keep_last is not None:
+            prune_published(self.weights_dir, self.keep_last, name=self.name)
+        report = TrainStep(self.step, version, micro, self._global_samples, count, loss, uri,
+                           self._global_busy)
+        self.samples += self._global_samples
+        self._global_samples, self._global_busy = 0, 0.0
+        return report
+
+    def _record(self, start: float) -> None:
+        end = time.monotonic()
+        self.busy.append((start, end))
+        self._global_busy += end - start
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self, sub: Any, *, max_steps: int | None = None,
+            stop: threading.Event | None = None, idle_timeout: float | None = None,
+            poll: float = 0.25) -> Iterator[TrainStep]:
+        """Train on ``sub``'s micro-batches; yield a :class:`TrainStep` after each step.
+
+        Stops after ``max_steps`` optimizer steps, when ``stop`` is set, or after
+        ``idle_timeout`` seconds without a micro-batch. It never asks for a micro-batch past the
+        last step it will take (that would claim, and strand, rows of the next global batch).
+        """
+        steps_at_start = self.step
+        last = time.monotonic()
+        while max_steps is None or self.step - steps_at_start < max_steps:
+            if stop is not None and stop.is_set():
+                return
+            mb = sub.next(timeout=poll)
+            if mb is None:
+                if idle_timeout is not None and time.monotonic() - last > idle_timeout:
+                    return
+                continue
+            last = time.monotonic()
+            self.train_micro_batch(mb)
+            if mb.is_boundary:
+                yield self.finish_global_batch(sub)
