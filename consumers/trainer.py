@@ -49,14 +49,26 @@ import pyarrow as pa
 import torch
 
 from consumers.accumulation import GradientAccumulator
+from consumers.grpo import clipped_policy_loss, token_logprobs
 from consumers.torch_collate import TorchBatch, collate
 from producers.rollout.weights import prune_published, publish_state_dict
 
-__all__ = ["LossFn", "TrainStep", "TorchTrainer"]
+__all__ = ["LossFn", "TrainStep", "TorchTrainer", "TrainerThread", "grpo_loss"]
 
 #: ``loss_fn(model, batch) -> (loss_sum, count)``: the micro-batch's summed loss and its number of
 #: units (loss tokens for a token-mean loss, samples for a sample-mean loss).
 LossFn = Callable[[torch.nn.Module, TorchBatch], "tuple[torch.Tensor, int | torch.Tensor]"]
+
+
+def grpo_loss(model: torch.nn.Module, batch: TorchBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GRPO clipped policy loss, token-mean: ``(loss_sum, n_loss_tokens)``.
+
+    For a causal LM called as ``model(input_ids, position_ids)`` (e.g. the tiny LM); the batch
+    needs rollout logprobs and rewards (or an ``advantage`` column).
+    """
+    lp = token_logprobs(model(batch.input_ids, batch.position_ids), batch.input_ids)
+    return clipped_policy_loss(lp, batch.old_logprobs, batch.per_token(batch.advantages),
+                               batch.loss_mask)
 
 
 @dataclass(frozen=True)
@@ -183,3 +195,40 @@ class TorchTrainer:
             self.train_micro_batch(mb)
             if mb.is_boundary:
                 yield self.finish_global_batch(sub)
+
+
+class TrainerThread(threading.Thread):
+    """Run :meth:`TorchTrainer.run` on a subscription in a background thread.
+
+    ``steps`` collects the :class:`TrainStep` reports, ``error`` the exception that ended the
+    loop, if any. :meth:`stop` ends it at the next poll; the subscription is closed at the end
+    (its in-flight micro-batches are nacked).
+    """
+
+    def __init__(self, trainer: TorchTrainer, sub: Any, *, max_steps: int | None = None,
+                 idle_timeout: float | None = None,
+                 on_step: Callable[[TrainStep], None] | None = None) -> None:
+        super().__init__(name=f"expstore-trainer-{trainer.name}", daemon=True)
+        self.trainer, self.sub = trainer, sub
+        self.max_steps, self.idle_timeout, self.on_step = max_steps, idle_timeout, on_step
+        self.steps: list[TrainStep] = []
+        self.error: BaseException | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            for step in self.trainer.run(self.sub, max_steps=self.max_steps,
+                                         stop=self._stop_event, idle_timeout=self.idle_timeout):
+                self.steps.append(step)
+                if self.on_step is not None:
+                    self.on_step(step)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever joins the thread
+            self.error = e
+        finally:
+            try:
+                self.sub.close()
+            except Exception:  # noqa: BLE001 - closing a broken stream can fail too
+                pass
+
+    def stop(self) -> None:
+        self._stop_event.set()
