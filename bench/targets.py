@@ -1,5 +1,6 @@
 """The issue's targets, each a ratio of two figures of the same run (or a figure against a
-fixed bound), evaluated to PASS, MISS or pending (a figure is missing: not run or skipped)."""
+fixed bound), evaluated to PASS, MISS, pending (the expstore figure is missing: not run or
+skipped) or "no baseline" (the baseline was not run or was skipped)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ class Target:
     at_least: bool  # True: ratio ≥ bound; False: ratio ≤ bound
 
     def evaluate(self, results: Results) -> tuple[float | None, str]:
-        """(ratio or value, "PASS" | "MISS" | "pending")."""
+        """(ratio or value, "PASS" | "MISS" | "pending" | "no baseline")."""
         value = results.get(self.measured)
         base = results.get(self.baseline) if self.baseline else 1.0
-        if value is None or base is None or base == 0:
+        if value is None:
             return None, "pending"
+        if base is None or base == 0:
+            return None, "no baseline"
         ratio = value / base
         ok = ratio >= self.bound if self.at_least else ratio <= self.bound
         return ratio, "PASS" if ok else "MISS"
