@@ -1,0 +1,69 @@
+"""``expstore demo --quick``: runs end to end, twice on the same file, and explains itself."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+
+import store  # noqa: E402
+from consumers import demo  # noqa: E402
+
+AGENTS = ("planner", "solver", "verifier")
+PER_QUERY = {"planner": 2, "solver": 4, "verifier": 8}  # n = 2
+
+
+def test_quick_demo_twice_on_one_file(tmp_path, capsys) -> None:
+    db = str(tmp_path / "expstore.duckdb")
+
+    assert demo.main(["--db", db, "--quick"]) == 0
+    text = capsys.readouterr().out
+    assert "expstore demo run 1" in text and "grpc://127.0.0.1:" in text
+    assert "| planner v" in text  # progress lines (not a terminal: plain lines)
+    for needle in ("Done: 112 samples from 8 queries", "synchronous estimate",
+                   "training hidden in rollouts", "this run (pipelined)", "saved",
+                   "slowest query", "demo1_verifier"):
+        assert needle in text, needle
+
+    # a second run on the same file: fresh tables, the first run's data untouched
+    assert demo.main(["--db", db, "--quick", "--json"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert "| verifier v" in captured.err  # with --json, progress goes to stderr
+    assert summary["run"] == 2 and summary["tables"] == "demo2_*"
+    assert summary["samples"] == 112 and summary["rounds"] == 2 and summary["queries"] == 8
+    for name in AGENTS:
+        a = summary["agents"][name]
+        assert a["table"] == f"demo2_{name}"
+        assert a["version"] == a["steps"] == 2
+        assert a["samples"] == a["consumed"] == 8 * PER_QUERY[name]
+        assert 0 <= a["hidden_seconds"] <= a["train_seconds"]
+    assert 0 < summary["hidden_train_seconds"] <= summary["train_seconds"]
+    assert 0 <= summary["hidden_fraction"] <= 1
+    assert summary["sync_estimate_seconds"] == pytest.approx(
+        summary["rollout_seconds"] + summary["train_seconds"], abs=0.01)
+    assert summary["saved_seconds"] == pytest.approx(
+        summary["sync_estimate_seconds"] - summary["wall_seconds"], abs=0.01)
+    assert summary["rollout_latency_max"] >= summary["rollout_latency_p95"] \
+        >= summary["rollout_latency_p50"] > 0
+
+    with store.connect(db) as s:
+        tables = set(s.list_tables())
+        assert {f"demo{r}_{a}" for r in (1, 2) for a in AGENTS} <= tables
+        for r in (1, 2):
+            for name in AGENTS:
+                stats = s.stats(f"demo{r}_{name}")[f"demo{r}_{name}"]
+                assert stats["rows"] == stats["consumed"] == 8 * PER_QUERY[name]
+                assert stats["version"] == 2
+
+
+def test_interval_arithmetic() -> None:
+    assert demo.union_seconds([(0, 2), (1, 3), (5, 6)]) == 4
+    assert demo.overlap_seconds([(0, 2), (1, 3), (5, 6)], [(2.5, 5.5), (10, 11)]) == 1.0
+    assert demo.overlap_seconds([], [(0, 1)]) == 0
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        demo.main(["--n", "1", "--quick"])
