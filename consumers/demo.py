@@ -140,8 +140,9 @@ def _next_prefix(tables: list[str]) -> tuple[str, int]:
 
 def run_demo(db: str = "./expstore.duckdb", *, port: int = 0, config: DemoConfig = DemoConfig(),
              out: TextIO | None = None, progress_interval: float = 0.0,
-             deadline: float = 600.0) -> dict[str, Any]:
+             deadline: float = 300.0) -> dict[str, Any]:
     """Run the demo and return its summary (see docs/demo.md for the fields)."""
+    import pyarrow as pa
     import torch
 
     from consumers.torch_collate import collate
@@ -155,7 +156,12 @@ def run_demo(db: str = "./expstore.duckdb", *, port: int = 0, config: DemoConfig
     cfg = config
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # several tiny models at once: one thread each beats contention
-    server = ExpstoreFlightServer(db, host="127.0.0.1", port=port)
+    try:
+        server = ExpstoreFlightServer(db, host="127.0.0.1", port=port)
+    except pa.ArrowException as e:
+        torch.set_num_threads(threads)
+        raise OSError(f"the Flight server could not listen on 127.0.0.1:{port} ({e}); "
+                      "is the port in use? --port 0 picks a free one") from e
     serving = threading.Thread(target=server.serve, name="expstore-demo-server", daemon=True)
     serving.start()
     try:

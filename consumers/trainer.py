@@ -66,6 +66,9 @@ def grpo_loss(model: torch.nn.Module, batch: TorchBatch) -> tuple[torch.Tensor, 
     For a causal LM called as ``model(input_ids, position_ids)`` (e.g. the tiny LM); the batch
     needs rollout logprobs and rewards (or an ``advantage`` column).
     """
+    if batch.old_logprobs is None or batch.advantages is None:
+        raise ValueError("grpo_loss needs 'logprobs' and 'reward' (or 'advantage') columns in "
+                         "the micro-batch")
     lp = token_logprobs(model(batch.input_ids, batch.position_ids), batch.input_ids)
     return clipped_policy_loss(lp, batch.old_logprobs, batch.per_token(batch.advantages),
                                batch.loss_mask)
