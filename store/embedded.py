@@ -44,6 +44,7 @@ from .writer import BumpOp, CallOp, PutOp, SettleOp, Writer
 log = logging.getLogger("expstore.store")
 
 RECENT_CLAIMS = 100_000
+STATS_ATTEMPTS = 200  # reads of stats that may overlap a group commit before giving up
 
 
 class EmbeddedStore:
@@ -100,6 +101,9 @@ class EmbeddedStore:
             _remember(self._recent_expired, claim_id, "its lease ended before the store "
                       "restarted")
         self._closed = False
+        # Odd while the writer runs a group (from BEGIN until its effects are applied to memory):
+        # stats() reads DuckDB and memory between two equal, even values to get one snapshot.
+        self._commit_seq = 0
         #: Monotonic counters for monitoring (flight_server.metrics exports them).
         self.counters: dict[str, int] = {
             "rows_put": 0, "puts": 0, "claims": 0, "rows_claimed": 0, "acks": 0,
@@ -654,19 +658,29 @@ class EmbeddedStore:
         out: dict[str, Any] = {}
         for name in names:
             live = self._live_table(name)
-            row = self._reader().execute(
-                f"SELECT count(*), count(*) FILTER (WHERE consumed), "
-                f"count(*) FILTER (WHERE stale AND NOT consumed), "
-                f"count(*) FILTER (WHERE dead AND NOT consumed AND NOT stale) "
-                f"FROM {quote(name)}").fetchone()
-            per_version = self._reader().execute(
-                f"SELECT policy_version, count(*) FROM {quote(name)} GROUP BY 1 ORDER BY 1"
-            ).fetchall()
-            with self._lock:
-                ready, processing = live.ready_count, live.leased_count
-                live_rows = len(live.rows)
-                version = self._versions[live.tdef.version_group]
+            for _ in range(STATS_ATTEMPTS):
+                seq = self._commit_seq
+                row = self._reader().execute(
+                    f"SELECT count(*), count(*) FILTER (WHERE consumed), "
+                    f"count(*) FILTER (WHERE stale AND NOT consumed), "
+                    f"count(*) FILTER (WHERE dead AND NOT consumed AND NOT stale) "
+                    f"FROM {quote(name)}").fetchone()
+                per_version = self._reader().execute(
+                    f"SELECT policy_version, count(*) FROM {quote(name)} GROUP BY 1 ORDER BY 1"
+                ).fetchall()
+                with self._lock:
+                    ready, processing = live.ready_count, live.leased_count
+                    live_rows = len(live.rows)
+                    version = self._versions[live.tdef.version_group]
+                    # Expired leases' stale/dead rows left memory; their flags are not flushed.
+                    unflushed = list(self._row_updates.get(name, {}).values())
+                    consistent = seq % 2 == 0 and seq == self._commit_seq
+                if consistent:
+                    break
+                time.sleep(0.001)
             total, consumed, stale, dead = (int(v) for v in row) if row else (0, 0, 0, 0)
+            stale += sum(1 for u in unflushed if u[6])
+            dead += sum(1 for u in unflushed if u[7] and not u[6])
             out[name] = {
                 "version": version, "version_group": live.tdef.version_group,
                 "rows": total, "pending": live_rows - ready - processing, "ready": ready,

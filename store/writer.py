@@ -242,6 +242,7 @@ class Writer:
         txn = _Txn()
         results: list[Any] = [None] * len(ops)
         con.execute("BEGIN TRANSACTION")
+        store._commit_seq += 1  # odd until applied: see EmbeddedStore.stats
         try:
             puts: list[tuple[int, PutOp]] = []
             for i, op in enumerate(ops):
@@ -272,6 +273,7 @@ class Writer:
                 con.execute("ROLLBACK")
             except duckdb.Error:
                 pass
+            store._commit_seq += 1
             if isinstance(e, (OSError, duckdb.IOException)):
                 raise StorageError(f"the database could not be written: {e}") from e
             raise
@@ -279,8 +281,11 @@ class Writer:
         self._last_commit = time.monotonic()
         self._dirty_since_checkpoint = True
         with store._lock:
-            for apply in txn.applies:
-                apply()
+            try:
+                for apply in txn.applies:
+                    apply()
+            finally:
+                store._commit_seq += 1
             store._notify()
         return results, txn
 
