@@ -77,3 +77,60 @@ def test_states_add_up_through_a_lease(any_store, wait_until, settle):
         _states(s)
     st = _states(s)
     assert st["dead"] + st["consumed"] == 5 and st["ready"] == 0
+
+
+def test_states_add_up_under_concurrent_load(any_store):
+    """Stats taken while producers, trainers and lease expiries run still add up."""
+    import threading
+    import time
+
+    s = any_store
+    s.create_table("t", {"reward": "float64"}, max_deliveries=3)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def producer() -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                s.put("t", {"sample_id": [f"q{i + k}_0_0" for k in range(5)],
+                            "reward": [1.0] * 5})
+                i += 5
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def trainer(k: int) -> None:
+        n = 0
+        try:
+            while not stop.is_set():
+                n += 1
+                claim = s.claim("t", 4, lease_seconds=0.05 if n % 3 == 0 else 30)
+                if not claim:
+                    continue
+                if n % 3 == 1:
+                    s.ack(claim.claim_id)
+                elif n % 3 == 2:
+                    s.nack(claim.claim_id)
+                # every third claim is left to expire
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=producer)] + [
+        threading.Thread(target=trainer, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 3
+        checks = 0
+        while time.monotonic() < deadline:
+            st = s.stats("t")["t"]
+            assert sum(st[k] for k in STATES) == st["rows"], st
+            assert all(st[k] >= 0 for k in STATES), st
+            checks += 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors
+    st = s.stats("t")["t"]
+    assert checks > 10 and st["consumed"] > 0 and st["dead"] + st["ready"] > 0
