@@ -58,12 +58,23 @@ def _create_table(s: EmbeddedStore, b: dict[str, Any]) -> Any:
             ("if_not_exists", "max_staleness", "version_group", "max_deliveries",
              "lease_seconds", "storage", "required"))
     name, columns = b.pop("name"), b.pop("columns")
+    _flag(b, "if_not_exists", "create_table")
     return s.create_table(name, columns, **b)
 
 
 def _drop_table(s: EmbeddedStore, b: dict[str, Any]) -> Any:
     _fields(b, "drop_table", ("name",), ("if_exists",))
-    return {"dropped": s.drop_table(b["name"], if_exists=bool(b.get("if_exists", False)))}
+    return {"dropped": s.drop_table(b["name"],
+                                    if_exists=_flag(b, "if_exists", "drop_table"))}
+
+
+def _flag(b: dict[str, Any], key: str, action: str) -> bool:
+    """A JSON boolean field (absent: false). Strings such as "false" are refused, not truthy."""
+    value = b.get(key, False)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"action {action!r} field {key!r} must be true or false, got "
+                              f"{value!r}")
+    return value
 
 
 def _claim(s: EmbeddedStore, b: dict[str, Any]) -> Any:
@@ -193,7 +204,7 @@ def parse_body(raw: bytes, action: str) -> dict[str, Any]:
         return {}
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InvalidArgument(f"body of action {action!r} is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise InvalidArgument(f"body of action {action!r} must be a JSON object, got "

@@ -32,7 +32,7 @@ SUBSCRIBE_FIELDS = {"table", "micro_batch_size", "global_batch_size", "where", "
 def parse_subscribe(command: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(command)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise InvalidArgument(f"do_exchange command is not valid JSON: {e}") from e
     sub = doc.get("subscribe") if isinstance(doc, dict) else None
     if not isinstance(sub, dict):
@@ -81,7 +81,11 @@ class ExchangeSession:
                     break
                 if self._can_deliver():
                     seen = self._store.change_seq
-                    batch = self._sub.next(timeout=0)
+                    try:
+                        batch = self._sub.next(timeout=0)
+                    except ExpstoreError as e:
+                        self._fail(e)
+                        raise
                     if batch is not None:
                         self._send(batch)
                         continue
@@ -91,6 +95,19 @@ class ExchangeSession:
         finally:
             self._done = True
             self._sub.close()  # nacks whatever the client never acked
+            # The reader thread must be out of read_chunk() before this handler returns: the
+            # stream it reads is freed then, and a read in progress would crash the process.
+            # It ends when the client finishes its side or the call is cancelled.
+            while thread.is_alive():
+                thread.join(1.0)
+
+    def _fail(self, error: ExpstoreError) -> None:
+        """Tell the client the subscription failed, then wait for it to end the stream."""
+        try:
+            self._writer.write_metadata(_meta({"type": "error", "fatal": True, "request": None,
+                                               "code": error.code, "message": str(error)}))
+        except Exception as e:  # noqa: BLE001 - the client is gone: its stream ends anyway
+            log.debug("could not report the subscription error: %s", e)
 
     # -- client messages -----------------------------------------------------------------------
     def _read_client(self) -> None:
@@ -101,7 +118,7 @@ class ExchangeSession:
                     continue
                 try:
                     msg = json.loads(chunk.app_metadata.to_pybytes())
-                except ValueError:
+                except (ValueError, RecursionError):
                     msg = {"type": "invalid"}
                 self._inbox.put(msg if isinstance(msg, dict) else {"type": "invalid"})
                 self._store.wake()

@@ -89,6 +89,11 @@ class RemoteSubscription:
                     self._batches.put(RemoteMicroBatch(
                         data, self.table, meta["claim_id"], meta["index"], meta["is_boundary"],
                         meta["version"], meta["global_batch"], self))
+                elif meta.get("type") == "error" and meta.get("fatal"):
+                    # The server ended the subscription: next() raises it; close() finishes the
+                    # stream, which the server waits for.
+                    error = ERROR_CLASSES.get(meta.get("code"), ExpstoreError)(meta.get("message"))
+                    break
                 else:
                     future = self._pending.pop(meta.get("request"), None)
                     if future is not None:

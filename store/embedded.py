@@ -691,6 +691,8 @@ class EmbeddedStore:
 
     def leases(self, table: str | None = None) -> list[dict[str, Any]]:
         """The claims currently leased: id, owner, expiry, rows per table."""
+        if table is not None:
+            self._live_table(table)  # an unknown table is an error, as for stats()
         with self._lock:
             out = []
             for lease in self._claims.values():

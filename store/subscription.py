@@ -28,7 +28,7 @@ from typing import Any, Iterator, Protocol
 
 import pyarrow as pa
 
-from .claims import Claim
+from .claims import Claim, ClaimRequest
 from .errors import InvalidArgument
 
 
@@ -95,6 +95,15 @@ class Subscription:
         if group_size and micro_batch_size % group_size:
             raise InvalidArgument(f"micro_batch_size {micro_batch_size} is not a multiple of "
                                   f"group_size {group_size}: groups are never split")
+        # Check the claim arguments now, so that a bad subscription fails when it is made, not
+        # at its first claim.
+        ClaimRequest(table, micro_batch_size, where, group_by, group_size,
+                     micro_batch_size).validated()
+        if lease_seconds is not None and (isinstance(lease_seconds, bool)
+                                          or not isinstance(lease_seconds, (int, float))
+                                          or not 0 < lease_seconds <= 86400):
+            raise InvalidArgument(f"lease_seconds {lease_seconds!r} is invalid; expected a "
+                                  "number of seconds in (0, 86400]")
         self._store = store
         self.table = table
         self.micro_batch_size = micro_batch_size

@@ -158,3 +158,20 @@ def test_killed_exchange_subscriber_releases_its_leases_on_disconnect(server):
         s.ack(got.claim_id)
         assert s.stats("t")["t"]["consumed"] == 16
         print(f"leases of a killed subscriber released {released_in:.2f} s after SIGKILL")
+
+
+def test_a_subscription_that_fails_server_side_reports_it_and_the_server_survives(server):
+    """A claim error inside a live subscription (here: its table was dropped) reaches the client
+    as the store's error, and ending that stream does not take the server down."""
+    from store.errors import NotFound
+    with store.connect(server.uri) as s:
+        _fill(s, 2)
+        sub = s.subscribe("t", micro_batch_size=4, global_batch_size=8, idle_timeout=30)
+        s.drop_table("t")
+        s.create_table("u", {"reward": "float64"})
+        s.put("u", {"sample_id": rh.sample_ids("z", 0, 8), "reward": [1.0] * 8})
+        with pytest.raises(NotFound):
+            sub.next(timeout=30)
+        sub.close()
+        assert rh.health(server.uri) is not None
+        assert s.claim("u", 8).num_rows == 8
