@@ -101,9 +101,11 @@ class EmbeddedStore:
             _remember(self._recent_expired, claim_id, "its lease ended before the store "
                       "restarted")
         self._closed = False
-        # Odd while the writer runs a group (from BEGIN until its effects are applied to memory):
-        # stats() reads DuckDB and memory between two equal, even values to get one snapshot.
+        # Odd from a group's COMMIT until its effects are applied to memory: stats() reads
+        # DuckDB and memory between two equal, even values to get one snapshot. _flushing holds
+        # the lease bookkeeping a running group took out of _row_updates, until it commits.
         self._commit_seq = 0
+        self._flushing: dict[str, list[tuple]] = {}
         #: Monotonic counters for monitoring (flight_server.metrics exports them).
         self.counters: dict[str, int] = {
             "rows_put": 0, "puts": 0, "claims": 0, "rows_claimed": 0, "acks": 0,
@@ -534,6 +536,7 @@ class EmbeddedStore:
         with self._lock:
             updates = {t: list(rows.values()) for t, rows in self._row_updates.items() if rows}
             self._row_updates = {}
+            self._flushing = updates
         return updates
 
     def _may_have_terminal_rows(self, table: str) -> bool:
@@ -673,7 +676,8 @@ class EmbeddedStore:
                     live_rows = len(live.rows)
                     version = self._versions[live.tdef.version_group]
                     # Expired leases' stale/dead rows left memory; their flags are not flushed.
-                    unflushed = list(self._row_updates.get(name, {}).values())
+                    unflushed = (list(self._row_updates.get(name, {}).values())
+                                 + self._flushing.get(name, []))
                     consistent = seq % 2 == 0 and seq == self._commit_seq
                 if consistent:
                     break

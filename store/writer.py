@@ -242,7 +242,6 @@ class Writer:
         txn = _Txn()
         results: list[Any] = [None] * len(ops)
         con.execute("BEGIN TRANSACTION")
-        store._commit_seq += 1  # odd until applied: see EmbeddedStore.stats
         try:
             puts: list[tuple[int, PutOp]] = []
             for i, op in enumerate(ops):
@@ -266,6 +265,7 @@ class Writer:
                 self._puts(txn, puts, results)
             self._row_updates(txn)
             store.blobs.sync()
+            store._commit_seq += 1  # odd from COMMIT until applied: see EmbeddedStore.stats
             con.execute("COMMIT")
         except BaseException as e:
             store.blobs.rollback()
@@ -273,7 +273,10 @@ class Writer:
                 con.execute("ROLLBACK")
             except duckdb.Error:
                 pass
-            store._commit_seq += 1
+            with store._lock:
+                store._flushing = {}
+                if store._commit_seq % 2:
+                    store._commit_seq += 1
             if isinstance(e, (OSError, duckdb.IOException)):
                 raise StorageError(f"the database could not be written: {e}") from e
             raise
@@ -285,6 +288,7 @@ class Writer:
                 for apply in txn.applies:
                     apply()
             finally:
+                store._flushing = {}
                 store._commit_seq += 1
             store._notify()
         return results, txn

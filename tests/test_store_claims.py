@@ -268,10 +268,11 @@ def test_dead_letter_after_max_deliveries(any_store, wait_until):
     wait_until(lambda: _stats(s)["dead"] == 1, message="the row dead-lettered")
     st = _stats(s)
     assert st == {**st, "rows": 2, "dead": 1, "ready": 1, "processing": 0, "pending": 0}
-    # Dead rows are kept for SQL and never delivered again.
-    dead = s.query("SELECT sample_id, dead, delivery_count, consumed FROM t WHERE dead")
-    assert dead.to_pylist() == [{"sample_id": "a_0_0", "dead": True, "delivery_count": 3,
-                                 "consumed": False}]
+    # Dead rows are kept for SQL (once the expiry's bookkeeping is flushed) and never
+    # delivered again.
+    sql = "SELECT sample_id, dead, delivery_count, consumed FROM t WHERE dead"
+    expected = [{"sample_id": "a_0_0", "dead": True, "delivery_count": 3, "consumed": False}]
+    wait_until(lambda: s.query(sql).to_pylist() == expected, message="the dead row in SQL")
     assert _ids(s.claim("t", 10)) == ["b_0_0"]
     # Re-sending a dead sample does not bring it back.
     _fill(s, "t", ["a_0_0"])
