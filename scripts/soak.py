@@ -221,6 +221,9 @@ def run_soak(workdir: str | Path, *, seconds: float = 300, producers: int = 64,
             "rss_max_mb": round(rss_max, 1),
             "rss_end_mb": round(rss[-1] / 2**20, 1) if rss else 0.0,
             "rss_samples": len(rss),
+            # RSS at each tenth of the run: flat once DuckDB's buffer pool is warm = bounded.
+            "rss_mb_by_tenth": [round(rss[min(len(rss) - 1, len(rss) * k // 10)] / 2**20)
+                                for k in range(1, 11)] if rss else [],
         })
         assert summary["errors"] == 0, summary["error_examples"]
         assert rss_max < rss_limit_mb, f"server RSS reached {rss_max:.0f} MB"

@@ -159,6 +159,9 @@ class BlobStore:
                                f"({len(data)} of {length} bytes)")
         try:
             values = pa.ipc.open_stream(pa.py_buffer(data)).read_all().column(0).combine_chunks()
+            # IPC has no checksums: damaged bytes inside a chunk would otherwise be served as
+            # values (invalid UTF-8, offsets past the end). Full validation catches those.
+            values.validate(full=True)
         except pa.ArrowException as e:
             raise StorageError(f"blob chunk {segment}:{offset}:{length} in {path!r} is corrupt: "
                                f"{e}") from e
