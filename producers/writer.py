@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 import store as store_pkg
-from store.errors import ExpstoreError, InvalidArgument, StoreClosed, Unavailable
+from store.errors import ExpstoreError, InvalidArgument, StaleVersion, StoreClosed, Unavailable
 
 log = logging.getLogger("expstore.producer")
 
@@ -76,6 +76,9 @@ class ExperienceWriter:
         self._error: BaseException | None = None
         self._closed = False
         self._on_bump: list[Callable[[int, str | None], None]] = []
+        self._on_stale: list[Callable[[dict[str, Any], StaleVersion], None]] = []
+        #: Samples refused because their policy version went stale before they were sent.
+        self.stale_rows: list[dict[str, Any]] = []
         self._sender = threading.Thread(target=self._send_loop, name="expstore-writer-send",
                                         daemon=True)
         self._sender.start()
@@ -137,6 +140,14 @@ class ExperienceWriter:
                                        f"({len(self._buffer) + self._in_flight} samples left)")
                 self._cond.wait(remaining if remaining is not None else 0.5)
             self._raise_if_failed()
+
+    def on_stale(self, callback: Callable[[dict[str, Any], StaleVersion], None]) -> None:
+        """Call ``callback(row, error)`` for each sample refused as stale (a bump overtook it).
+
+        Such samples are not written and are kept in :attr:`stale_rows`: regenerate them with the
+        current policy. They never poison the writer: other samples are still sent.
+        """
+        self._on_stale.append(callback)
 
     def on_bump(self, callback: Callable[[int, str | None], None]) -> None:
         """Call ``callback(new_version, weights_uri)`` after each version bump."""
@@ -215,11 +226,41 @@ class ExperienceWriter:
             try:
                 self.store.put(self.table, rows)
                 return
+            except StaleVersion:
+                # A bump overtook some samples: keep the rest, hand the stale ones back.
+                self._put_rows_singly(rows)
+                return
             except TRANSIENT as e:
                 if attempt == self.max_retries:
                     raise
                 log.warning("put to %r failed (%s); retry %d in %.2f s", self.table, e,
                             attempt + 1, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _put_rows_singly(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            try:
+                self._put_with_retries_one(row)
+            except StaleVersion as e:
+                with self._cond:
+                    self.stale_rows.append(row)
+                for callback in list(self._on_stale):
+                    try:
+                        callback(row, e)
+                    except Exception:  # noqa: BLE001 - a producer's callback must not kill us
+                        log.exception("on_stale callback failed")
+                log.info("dropped stale sample %r: %s", row.get("sample_id"), e)
+
+    def _put_with_retries_one(self, row: dict[str, Any]) -> None:
+        delay = self.backoff
+        for attempt in range(self.max_retries + 1):
+            try:
+                self.store.put(self.table, [row])
+                return
+            except TRANSIENT:
+                if attempt == self.max_retries:
+                    raise
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 

@@ -10,6 +10,7 @@ Two layers, so that one mistake is not enough:
 """
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 from typing import Any, Iterator
@@ -38,6 +39,7 @@ _PATH_CHARS = "/\\.:*?~"
 # A private in-memory database only parses; it never sees the store's data.
 _parser = duckdb.connect(":memory:")
 _parser_lock = threading.Lock()
+atexit.register(_parser.close)
 
 
 def check_select(sql: object) -> str:

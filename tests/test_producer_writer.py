@@ -1,0 +1,73 @@
+"""The buffered ExperienceWriter: merging parts, back-pressure, stale samples, version tracking."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import store
+from producers import ExperienceWriter
+
+
+@pytest.fixture
+def s(tmp_path):
+    st = store.connect(str(tmp_path / "x.duckdb"))
+    st.create_table("agent", {"prompt": "string", "reward": "float64"})
+    yield st
+    st.close()
+
+
+def test_parts_of_one_sample_merge_and_are_durable_after_flush(s):
+    with ExperienceWriter(s, "agent", batch_rows=1000, flush_interval=10) as w:
+        for i in range(50):
+            w.write({"sample_id": f"q{i}_0_0", "prompt": f"p{i}"})
+        for i in range(50):
+            w.write({"sample_id": f"q{i}_0_0", "reward": float(i)})
+        w.flush(timeout=30)
+        rows = s.query("SELECT prompt, reward FROM agent ORDER BY reward").to_pylist()
+    assert len(rows) == 50
+    assert rows[7] == {"prompt": "p7", "reward": 7.0}
+    assert w.rows_written == 50
+
+
+def test_stale_samples_are_handed_back_and_do_not_poison_the_writer(s):
+    stale: list[str] = []
+    w = ExperienceWriter(s, "agent", batch_rows=1000, flush_interval=10, track_version=False)
+    w.on_stale(lambda row, err: stale.append(row["sample_id"]))
+    w.write({"sample_id": "old_0_0", "prompt": "p", "reward": 1.0, "policy_version": 0})
+    s.bump_version("agent", expected=0)
+    w.write({"sample_id": "new_0_0", "prompt": "p", "reward": 1.0, "policy_version": 1})
+    w.flush(timeout=30)
+    assert stale == ["old_0_0"]
+    assert [r["sample_id"] for r in w.stale_rows] == ["old_0_0"]
+    assert s.query("SELECT sample_id FROM agent").to_pylist() == [{"sample_id": "new_0_0"}]
+    w.write({"sample_id": "later_0_0", "prompt": "p", "reward": 2.0, "policy_version": 1})
+    w.close(timeout=30)
+    assert s.query("SELECT count(*) AS n FROM agent").to_pylist() == [{"n": 2}]
+
+
+def test_version_tracking_stamps_new_samples_and_calls_on_bump(s):
+    bumped = threading.Event()
+    seen: list[tuple[int, str | None]] = []
+    with ExperienceWriter(s, "agent") as w:
+        w.on_bump(lambda v, uri: (seen.append((v, uri)), bumped.set()))
+        s.bump_version("agent", weights_uri="file:///w/1")
+        assert bumped.wait(10)
+        w.write({"sample_id": "q_0_0", "prompt": "p", "reward": 0.5})
+    assert seen == [(1, "file:///w/1")]
+    assert s.query("SELECT policy_version FROM agent").to_pylist() == [{"policy_version": 1}]
+
+
+def test_a_full_buffer_blocks_then_times_out_when_nothing_drains(s):
+    w = ExperienceWriter(s, "agent", batch_rows=2, max_buffer_rows=2, flush_interval=10,
+                         write_timeout=0.3, track_version=False)
+    s.close()  # the sender now fails: nothing drains the buffer
+    with pytest.raises((TimeoutError, store.ExpstoreError)):
+        for i in range(100):
+            w.write({"sample_id": f"q{i}_0_0", "prompt": "p"})
+
+
+def test_write_without_sample_id_is_refused(s):
+    with ExperienceWriter(s, "agent", track_version=False) as w:
+        with pytest.raises(store.InvalidArgument, match="sample_id"):
+            w.write({"prompt": "p"})
