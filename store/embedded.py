@@ -30,7 +30,7 @@ import pyarrow.fs as pafs
 
 from .blobs import BlobStore
 from .claims import Claim, ClaimRequest
-from .errors import AlreadyExists, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
+from .errors import AlreadyExists, StoreClosed, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
     QueryRefused, QueryTimeout, StorageError
 from .live import LEASED, Lease, LiveTable, Row
 from .naming import check_identifier, quote
@@ -83,6 +83,7 @@ class EmbeddedStore:
         self._query_slots = threading.BoundedSemaphore(max_concurrent_queries)
         self._readers = threading.local()
         self._reader_root = self._con.cursor()
+        self._all_readers: list[duckdb.DuckDBPyConnection] = []
         self._reader_lock = threading.Lock()
         try:
             self.blobs = BlobStore(blob_dir or f"{path}.blobs", blob_filesystem)
@@ -649,7 +650,10 @@ class EmbeddedStore:
         cursor = getattr(self._readers, "cursor", None)
         if cursor is None:
             with self._reader_lock:
+                if self._closed:
+                    raise StoreClosed("the store is closed")
                 cursor = self._reader_root.cursor()
+                self._all_readers.append(cursor)
             self._readers.cursor = cursor
         return cursor
 
@@ -751,6 +755,13 @@ class EmbeddedStore:
             self._con.execute("CHECKPOINT")
         except duckdb.Error:
             pass
+        with self._reader_lock:
+            for cursor in self._all_readers + [self._reader_root]:
+                try:
+                    cursor.close()
+                except duckdb.Error:
+                    pass
+            self._all_readers.clear()
         self._con.close()
 
     def __enter__(self) -> "EmbeddedStore":
