@@ -633,7 +633,16 @@ class EmbeddedStore:
         timer.daemon = True
         timer.start()
         try:
-            return cursor.sql(sql, params=params).to_arrow_table()
+            # The second layer under the SQL guard: the engine itself refuses any write in a
+            # read-only transaction, whatever syntax slips past the guard.
+            cursor.execute("BEGIN TRANSACTION READ ONLY")
+            try:
+                return cursor.sql(sql, params=params).to_arrow_table()
+            finally:
+                try:
+                    cursor.execute("ROLLBACK")
+                except duckdb.Error:
+                    pass
         except duckdb.InterruptException as e:
             raise QueryTimeout(f"query ran past its {timeout} s limit and was cancelled") from e
         except duckdb.PermissionException as e:

@@ -61,6 +61,10 @@ def check_select(sql: object) -> str:
         raise QueryRefused(f"{kind.name} statements are refused: the query path is read-only "
                            "and takes one SELECT")
     for name, where in _functions(sql):
+        if where == "statement":
+            raise QueryRefused(f"a data-modifying {name.removesuffix('_QUERY_NODE')} inside the "
+                               "query (e.g. in a WITH clause) is refused: the query path is "
+                               "read-only")
         if where == "file":
             raise QueryRefused(f"table {name!r} looks like a file path or URL; the query path "
                                "reads only the store's tables")
@@ -101,6 +105,9 @@ def _walk(node: Any) -> Iterator[tuple[str, str]]:
         if node.get("type") == "BASE_TABLE" and any(
                 ch in str(node.get("table_name", "")) for ch in _PATH_CHARS):
             yield str(node["table_name"]), "file"
+        kind = node.get("type")
+        if isinstance(kind, str) and kind.endswith("_QUERY_NODE"):
+            yield kind, "statement"  # DELETE/UPDATE/INSERT… nodes, e.g. a data-modifying CTE
         if node.get("type") == "TABLE_FUNCTION":
             fn = node.get("function") or {}
             if isinstance(fn, dict) and "function_name" in fn:
