@@ -109,7 +109,9 @@ class TableDef:
             required: data columns that must be complete before a row is ready (default all).
         """
         check_identifier(name, "table")
-        group = check_identifier(version_group, "version group") if version_group else name
+        # Only None means "no group": a falsy non-string ([], 0, "") is a mistake, not a default.
+        group = check_identifier(version_group, "version group") \
+            if version_group is not None else name
         if not isinstance(columns, Mapping) or not columns:
             raise InvalidArgument(f"table {name!r} needs at least one data column, given as a "
                                   "mapping of column name to type, e.g. {'reward': 'float64'}")
