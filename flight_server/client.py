@@ -121,7 +121,9 @@ class RemoteStore:
             arrow = data if isinstance(data, pa.Table) else pa.Table.from_batches([data])
         else:
             arrow = to_arrow_table(self._tdef(table), data)
-        return self.put_batches(table, arrow.to_batches(), arrow.schema, timeout=timeout)[-1]
+        answers = self.put_batches(table, arrow.to_batches(), arrow.schema, timeout=timeout)
+        # One answer per batch on the wire; the caller gets the embedded store's shape.
+        return {"rows": sum(a["rows"] for a in answers), "version": answers[-1]["version"]}
 
     def put_batches(self, table: str, batches: list[pa.RecordBatch], schema: pa.Schema,
                     *, timeout: float | None = -1.0) -> list[dict[str, Any]]:
