@@ -120,9 +120,12 @@ def test_produce_claim_ack_bump_over_raw_flight(client, location):
     assert rows.column("reward").to_pylist() == [1.0, 0.0, 1.0]
     assert all(rows.column("response_status").to_pylist())
 
-    # While leased, SQL sees the rows as processing.
-    leased = sql(client, f"SELECT count(*) AS n FROM {TABLE} WHERE is_processing")
-    assert leased.column("n").to_pylist() == [3]
+    # SQL sees the lease shortly after (lease columns are soft state, written lazily).
+    deadline = time.monotonic() + 10
+    while sql(client, f"SELECT count(*) AS n FROM {TABLE} WHERE is_processing AND "
+                      "lease_owner = 'trainer-0'").column("n").to_pylist() != [3]:
+        assert time.monotonic() < deadline, "the lease never became visible to SQL"
+        time.sleep(0.02)
 
     acked = act_json(client, "ack", {"claim_id": header["claim_id"]})
     assert acked == {"claim_id": header["claim_id"], "acked": 3}
