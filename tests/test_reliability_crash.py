@@ -43,6 +43,7 @@ def test_kill_9_under_load_loses_nothing_acknowledged(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_kill_9_one_hundred_times(tmp_path):
     report = _crash_loop().run_crash_loop(tmp_path, crashes=100, seed=SEED)
     assert report["lost"] == report["duplicated"] == 0

@@ -641,6 +641,7 @@ def test_bad_descriptors(target, call):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @settings(max_examples=12_000, **FUZZ_SETTINGS)
 @given(call=ALL_BAD_CALLS)
 def test_ten_thousand_bad_calls(target, call):

@@ -36,6 +36,7 @@ def test_short_soak_has_no_errors_no_loss_and_bounded_memory(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_full_soak_64_producers_8_consumers(tmp_path):
     summary = _soak().run_soak(tmp_path, seconds=300, producers=64, consumers=8)
     _check(summary)
