@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+from copy import deepcopy
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -74,17 +75,27 @@ KNOWN_REMOTE_GAPS = {
 }
 
 
-def _expect_gap(test: Any, reason: str) -> Any:
-    """A copy of ``test`` marked xfail here only (marking the original would mark it in its own
-    module too)."""
+def _isolated_copy(test: Any) -> Any:
+    """A copy of ``test`` with its own parameter values (a test that mutates a parameter must not
+    change it for its original) and its own marks (marking the copy leaves the original alone)."""
     @functools.wraps(test)
     def copy(*args: Any, **kwargs: Any) -> Any:
         return test(*args, **kwargs)
-    return pytest.mark.xfail(reason=reason, strict=True)(copy)
+    marks = []
+    for mark in getattr(test, "pytestmark", []):
+        if mark.name == "parametrize" and len(mark.args) >= 2:
+            mark = pytest.mark.parametrize(mark.args[0], deepcopy(mark.args[1]),
+                                           *mark.args[2:], **mark.kwargs).mark
+        marks.append(mark)
+    copy.pytestmark = marks
+    return copy
 
 
 _found = _shared_behaviour_tests()
-for _name, _reason in KNOWN_REMOTE_GAPS.items():
-    if _name in _found:
-        _found[_name] = _expect_gap(_found[_name], _reason)
+for _name, _test in list(_found.items()):
+    if _name.startswith("test_"):
+        _found[_name] = _isolated_copy(_test)
+        if _name in KNOWN_REMOTE_GAPS:
+            _found[_name] = pytest.mark.xfail(reason=KNOWN_REMOTE_GAPS[_name],
+                                              strict=True)(_found[_name])
 globals().update(_found)
