@@ -55,8 +55,10 @@ def _meta(doc: dict[str, Any]) -> pa.Buffer:
 class ExchangeSession:
     def __init__(self, store: EmbeddedStore, principal: Principal, options: dict[str, Any],
                  reader: flight.MetadataRecordBatchReader,
-                 writer: flight.MetadataRecordBatchWriter) -> None:
+                 writer: flight.MetadataRecordBatchWriter,
+                 stopping: threading.Event | None = None) -> None:
         self._store = store
+        self._stopping = stopping or threading.Event()
         self._principal = principal
         table = options.pop("table")
         self._sub = Subscription(store, table, options.pop("micro_batch_size"),
@@ -79,6 +81,9 @@ class ExchangeSession:
                 self._handle_messages()
                 if self._done:
                     break
+                if self._stopping.is_set():
+                    self._say_closing()
+                    break
                 if self._can_deliver():
                     seen = self._store.change_seq
                     try:
@@ -100,6 +105,14 @@ class ExchangeSession:
             # It ends when the client finishes its side or the call is cancelled.
             while thread.is_alive():
                 thread.join(1.0)
+
+    def _say_closing(self) -> None:
+        """The server is shutting down: ask the client to end its side of the stream (our
+        reader thread, and so this handler, can only finish once it does)."""
+        try:
+            self._writer.write_metadata(_meta({"type": "closing", "request": None}))
+        except Exception as e:  # noqa: BLE001 - the client is gone: its stream ends anyway
+            log.debug("could not announce the shutdown: %s", e)
 
     def _fail(self, error: ExpstoreError) -> None:
         """Tell the client the subscription failed, then wait for it to end the stream."""

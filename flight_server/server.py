@@ -84,6 +84,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         self.host = host
         self.scheme = scheme
         self.flight_sql = _flight_sql_handler(self.store)
+        self._stopping = threading.Event()
         self.metrics = Metrics(self.store)
         self.metrics_port = self.metrics.serve(metrics_port, host) if metrics_port is not None \
             else None
@@ -209,7 +210,8 @@ class ExpstoreFlightServer(flight.FlightServerBase):
                 raise InvalidArgument("do_exchange expects FlightDescriptor.for_command("
                                       "'{\"subscribe\": {…}}')")
             options = parse_subscribe(descriptor.command)
-            session = ExchangeSession(self.store, principal, options, reader, writer)
+            session = ExchangeSession(self.store, principal, options, reader, writer,
+                                      self._stopping)
         try:
             session.run()
         except flight.FlightError:
@@ -247,6 +249,12 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         yield from out
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop serving: open subscriptions are told to close, then in-flight calls finish."""
+        self._stopping.set()
+        self.store.wake()
+        super().shutdown()
+
     def close(self) -> None:
         """Stop serving and close the store (if this server opened it)."""
         try:

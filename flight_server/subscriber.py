@@ -17,7 +17,8 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from store.errors import ERROR_CLASSES, ExpstoreError, InvalidArgument, StoreClosed
+from store.errors import ERROR_CLASSES, ExpstoreError, InvalidArgument, StoreClosed, \
+    Unavailable
 
 from .errors import from_flight
 
@@ -38,10 +39,10 @@ class RemoteMicroBatch:
         return self.data.num_rows
 
     def ack(self) -> dict[str, Any]:
-        return self._sub._request({"type": "ack", "claim_id": self.claim_id})
+        return self._sub._settle(self, "ack")
 
     def nack(self) -> dict[str, Any]:
-        return self._sub._request({"type": "nack", "claim_id": self.claim_id})
+        return self._sub._settle(self, "nack")
 
 
 class RemoteSubscription:
@@ -54,6 +55,8 @@ class RemoteSubscription:
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
         self.idle_timeout = idle_timeout
+        self.max_in_flight = int(options.get("max_in_flight") or 2)
+        self._unsettled: set[str] = set()
         command = {"subscribe": {"table": table, "micro_batch_size": micro_batch_size,
                                  "global_batch_size": global_batch_size,
                                  **{k: v for k, v in options.items() if v is not None}}}
@@ -89,6 +92,16 @@ class RemoteSubscription:
                     self._batches.put(RemoteMicroBatch(
                         data, self.table, meta["claim_id"], meta["index"], meta["is_boundary"],
                         meta["version"], meta["global_batch"], self))
+                elif meta.get("type") == "closing":
+                    # The server is shutting down and waits for us to end our side.
+                    error = Unavailable("the server is shutting down; subscribe again once it "
+                                        "is back")
+                    with self._lock:
+                        try:
+                            self._writer.done_writing()
+                        except (flight.FlightError, pa.ArrowException):
+                            pass
+                    break
                 elif meta.get("type") == "error" and meta.get("fatal"):
                     # The server ended the subscription: next() raises it; close() finishes the
                     # stream, which the server waits for.
@@ -138,6 +151,10 @@ class RemoteSubscription:
         if self._at_boundary:
             raise InvalidArgument("the global batch is complete: call bump_version() (or "
                                   "resume()) before asking for the next micro-batch")
+        if len(self._unsettled) >= self.max_in_flight:
+            # The server will not push more (flow control): waiting would never end.
+            raise InvalidArgument(f"{len(self._unsettled)} micro-batches are in flight "
+                                  f"(max_in_flight={self.max_in_flight}); ack or nack one first")
         try:
             item = self._batches.get(timeout=timeout)
         except queue.Empty:
@@ -149,7 +166,15 @@ class RemoteSubscription:
             return None
         if item.is_boundary:
             self._at_boundary = True
+        self._unsettled.add(item.claim_id)
         return item
+
+    def _settle(self, batch: RemoteMicroBatch, kind: str) -> dict[str, Any]:
+        answer = self._request({"type": kind, "claim_id": batch.claim_id})
+        self._unsettled.discard(batch.claim_id)
+        if kind == "nack":
+            self._at_boundary = False  # the rows come back; their slot is free (as embedded)
+        return answer
 
     @property
     def at_boundary(self) -> bool:

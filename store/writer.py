@@ -512,6 +512,15 @@ class Writer:
         lease = op.lease
         with store._lock:
             plan = store._settle_plan(lease, ack=op.ack)
+            # Lease bookkeeping this claim left for a later flush is superseded by the settle
+            # written here; flushed afterwards it would mark the rows leased again.
+            for tname, rows in plan.items():
+                pending = store._row_updates.get(tname)
+                if pending:
+                    for row, _ in rows:
+                        entry = pending.get(row.row_id)
+                        if entry is not None and entry[2] == lease.claim_id:
+                            del pending[row.row_id]
         for tname, rows in plan.items():
             if tname not in store._live:
                 continue

@@ -68,11 +68,8 @@ def _shared_behaviour_tests() -> dict[str, Any]:
 
 
 #: Behaviour the remote store does not share yet (reported; strict: a fix makes them fail here).
-KNOWN_REMOTE_GAPS = {
-    "test_nack_frees_the_slot__subscription":
-        "RemoteSubscription.next() waits instead of raising InvalidArgument when max_in_flight "
-        "micro-batches are unacked (the embedded Subscription raises)",
-}
+# Behaviours the remote store does not share yet (test name → reason); none at present.
+KNOWN_REMOTE_GAPS: dict[str, str] = {}
 
 
 def _isolated_copy(test: Any) -> Any:
