@@ -41,6 +41,16 @@ MAX_STALENESS = 1
 SAMPLE_ID = re.compile(r"[^\n]+_[0-9]{1,9}_[0-9]{1,9}")
 
 
+def _valid_identifier(name: str) -> bool:
+    from store.errors import InvalidArgument
+    from store.naming import check_identifier
+    try:
+        check_identifier(name, "table")
+    except InvalidArgument:
+        return False
+    return True
+
+
 def _valid_sample_id(sid: str) -> bool:
     return SAMPLE_ID.fullmatch(sid) is not None and len(sid) <= 512
 FUZZ_SETTINGS = dict(deadline=None, derandomize=False, database=None,
@@ -167,7 +177,7 @@ unknown_table = st.one_of(
 bad_identifier = st.one_of(
     st.sampled_from(["", "1abc", "a b", "a-b", 'x"y', "x;y", "é", "a" * 300, "_expstore_x",
                      "select", "sample_id"]),
-    st.text(min_size=1, max_size=20).filter(lambda n: not re.fullmatch(r"[a-z][a-z0-9_]*", n)))
+    st.text(min_size=1, max_size=20).filter(lambda n: not _valid_identifier(n)))
 unknown_field = st.from_regex(r"\Azz[a-z_]{0,10}\Z")
 bad_limit = st.one_of(st.integers(max_value=0), st.integers(min_value=100_001), not_an_int)
 bad_seconds = st.one_of(st.floats(max_value=0, allow_nan=False), st.floats(min_value=1e6),
