@@ -130,6 +130,13 @@ class BlobStore:
         except OSError as e:
             raise StorageError(f"cannot write blob segment {path!r}: {e}") from e
 
+    def roll(self) -> None:
+        """Start a new segment, so that the one written so far can be collected when no row
+        references it any more (GC never deletes the segment being written)."""
+        if self._local and self._size > 0 and not self._pending:
+            self._segment += 1
+            self._size = 0
+
     def rollback(self) -> None:
         """Forget staged chunks (their group commit failed before sync)."""
         self._pending.clear()

@@ -540,6 +540,17 @@ class EmbeddedStore:
             self._flushing = updates
         return updates
 
+    def _requeue_row_updates(self, updates: dict[str, list[tuple]]) -> None:
+        """Put back bookkeeping a failed transaction had taken (newer entries win)."""
+        with self._lock:
+            for tname, rows in updates.items():
+                if tname not in self._live:
+                    continue
+                pending = self._row_updates.setdefault(tname, {})
+                for entry in rows:
+                    pending.setdefault(entry[0], entry)
+            self._flushing = {}
+
     def _may_have_terminal_rows(self, table: str) -> bool:
         return table in self._terminal_possible
 
@@ -727,6 +738,7 @@ class EmbeddedStore:
     def gc(self) -> dict[str, int]:
         """Delete blob segments no row references."""
         def run(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+            self.blobs.roll()
             live_segments: set[int] = set()
             for live in self._live.values():
                 for c in live.tdef.columns:

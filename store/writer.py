@@ -89,6 +89,8 @@ class _Txn:
         # Rows that became ready without their values at hand (partial writes): their payload is
         # read from DuckDB once, after the commit, so claims need no read of their own.
         self.need_payload: list[tuple[LiveTable, Row]] = []
+        # Lease bookkeeping taken for this transaction: put back if it does not commit.
+        self.row_updates: dict[str, list[tuple]] = {}
 
 
 class Writer:
@@ -269,6 +271,8 @@ class Writer:
             con.execute("COMMIT")
         except BaseException as e:
             store.blobs.rollback()
+            if txn.row_updates:
+                store._requeue_row_updates(txn.row_updates)
             try:
                 con.execute("ROLLBACK")
             except duckdb.Error:
@@ -598,6 +602,7 @@ class Writer:
         updates = self._store._take_row_updates()
         if not updates:
             return
+        txn.row_updates = updates
         con = self._con
         for tname, rows in updates.items():
             if tname not in self._store._live:
