@@ -144,7 +144,7 @@ def check_call(target: Target, call: Call) -> None:
     except (flight.FlightUnavailableError, flight.FlightTimedOutError) as e:
         raise AssertionError(f"{call!r}: the connection dropped or the call hung "
                              f"({time.monotonic() - t0:.1f} s): {e!r}") from e
-    except (flight.FlightError, pa.ArrowException) as e:
+    except (flight.FlightError, pa.ArrowException, InStreamError) as e:
         code = _code(e)
         target.codes[code] = target.codes.get(code, 0) + 1
         assert code != "internal", f"{call!r}: an unhandled server error: {e}"
@@ -567,12 +567,30 @@ bad_subscribe = _poisoned(VALID_SUBSCRIBE, [
 ])
 
 
+class InStreamError(Exception):
+    """A subscription refused by a fatal error message on its stream (an error found at its
+    first claim, e.g. a predicate naming an unknown column, arrives this way)."""
+
+    def __init__(self, meta: dict) -> None:
+        super().__init__(meta.get("message"))
+        self.extra_info = json.dumps({"code": meta.get("code")}).encode()
+
+
 def exchange_call(descriptor: flight.FlightDescriptor) -> Call:
     def run(client: flight.FlightClient, options: flight.FlightCallOptions) -> Any:
         writer, reader = client.do_exchange(descriptor, options)
         try:
-            return reader.read_chunk().app_metadata
+            meta = json.loads(reader.read_chunk().app_metadata.to_pybytes())
+            if meta.get("type") == "subscribed":
+                meta = json.loads(reader.read_chunk().app_metadata.to_pybytes())
+                if meta.get("type") == "error" and meta.get("fatal"):
+                    raise InStreamError(meta)
+            return meta
         finally:
+            try:
+                writer.done_writing()
+            except (flight.FlightError, pa.ArrowException):
+                pass
             writer.close()
     return Call("do_exchange", f"{descriptor!r:.400}", run)
 
