@@ -144,7 +144,8 @@ class TableDef:
                                   ("max_deliveries", max_deliveries, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise InvalidArgument(f"{label} {value!r} is invalid; expected an integer ≥ {low}")
-        if not isinstance(lease_seconds, (int, float)) or not 0 < lease_seconds <= 86400:
+        if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, (int, float)) \
+                or not 0 < lease_seconds <= 86400:
             raise InvalidArgument(f"lease_seconds {lease_seconds!r} is invalid; expected a "
                                   "number of seconds in (0, 86400]")
         return cls(name, tuple(defs), group, max_staleness, max_deliveries, float(lease_seconds))
