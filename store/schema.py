@@ -115,6 +115,13 @@ class TableDef:
         if not isinstance(columns, Mapping) or not columns:
             raise InvalidArgument(f"table {name!r} needs at least one data column, given as a "
                                   "mapping of column name to type, e.g. {'reward': 'float64'}")
+        if storage is not None and not isinstance(storage, Mapping):
+            raise InvalidArgument(f"storage {storage!r} is invalid; expected a mapping of column "
+                                  "name to 'value', 'ref' or 'auto'")
+        if required is not None and (not isinstance(required, (list, tuple, set, frozenset))
+                                     or not all(isinstance(c, str) for c in required)):
+            raise InvalidArgument(f"required {required!r} is invalid; expected a list of data "
+                                  "column names")
         storage = dict(storage or {})
         required_set = set(columns) if required is None else set(required)
         for col in list(storage) + list(required_set):
