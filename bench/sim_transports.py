@@ -40,7 +40,7 @@ class _IdealBatch:
         self.rows = rows
         self.is_boundary = is_boundary
 
-    def ack(self) -> None:
+    def ack(self, wait: bool = True) -> None:
         pass
 
 

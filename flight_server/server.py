@@ -19,7 +19,7 @@ import json
 import logging
 import queue
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
 import pyarrow as pa
@@ -268,6 +268,9 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         self.close()
 
 
+_ANSWER_POOL = ThreadPoolExecutor(max_workers=512, thread_name_prefix="expstore-put-answers")
+
+
 class _PutAnswers:
     """Answers a do_put's batches, in order, each as soon as its commit is durable.
 
@@ -282,9 +285,8 @@ class _PutAnswers:
         self._queue: queue.Queue[tuple[int, Future] | None] = queue.Queue()
         self._slots = threading.Semaphore(limit)
         self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="expstore-put-answers",
-                                        daemon=True)
-        self._thread.start()
+        # A pooled thread, not a new one per call: one-sample puts are mostly this overhead.
+        self._done = _ANSWER_POOL.submit(self._run)
 
     def submit(self, index: int, future: Future) -> None:
         self._slots.acquire()
@@ -321,7 +323,7 @@ class _PutAnswers:
     def finish(self) -> None:
         """Wait until every submitted batch is answered (or failed)."""
         self._queue.put(None)
-        self._thread.join()
+        self._done.result()
 
 
 def _flight_sql_handler(store: EmbeddedStore) -> Any:

@@ -38,11 +38,13 @@ class RemoteMicroBatch:
     def num_rows(self) -> int:
         return self.data.num_rows
 
-    def ack(self) -> dict[str, Any]:
-        return self._sub._settle(self, "ack")
+    def ack(self, wait: bool = True) -> Any:
+        """Ack; with ``wait=False`` return at once with a Future of the answer. Messages are
+        handled in order, so a later ``bump_version`` still follows this ack."""
+        return self._sub._settle(self, "ack", wait)
 
-    def nack(self) -> dict[str, Any]:
-        return self._sub._settle(self, "nack")
+    def nack(self, wait: bool = True) -> Any:
+        return self._sub._settle(self, "nack", wait)
 
 
 class RemoteSubscription:
@@ -123,19 +125,35 @@ class RemoteSubscription:
             self._pending.clear()
             self._batches.put(error)
 
-    def _request(self, msg: dict[str, Any], timeout: float | None = 120.0) -> dict[str, Any]:
+    def _send(self, msg: dict[str, Any]) -> Future:
+        """Send a message; the Future resolves to its answer (or raises its error)."""
         if self._closed:
             raise StoreClosed("the subscription is closed")
         request = next(self._ids)
-        future: Future = Future()
-        self._pending[request] = future
+        answer: Future = Future()
+        result: Future = Future()
+
+        def unwrap(f: Future) -> None:
+            try:
+                reply = f.result()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                result.set_exception(e)
+                return
+            if reply.get("type") == "error":
+                result.set_exception(ERROR_CLASSES.get(reply.get("code"), ExpstoreError)(
+                    reply.get("message")))
+            else:
+                result.set_result(reply)
+
+        answer.add_done_callback(unwrap)
+        self._pending[request] = answer
         with self._lock:
             self._writer.write_metadata(pa.py_buffer(json.dumps({**msg, "request": request})
                                                      .encode()))
-        answer = future.result(timeout)
-        if answer.get("type") == "error":
-            raise ERROR_CLASSES.get(answer.get("code"), ExpstoreError)(answer.get("message"))
-        return answer
+        return result
+
+    def _request(self, msg: dict[str, Any], timeout: float | None = 120.0) -> dict[str, Any]:
+        return self._send(msg).result(timeout)
 
     # -- the iterator ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[RemoteMicroBatch]:
@@ -169,12 +187,13 @@ class RemoteSubscription:
         self._unsettled.add(item.claim_id)
         return item
 
-    def _settle(self, batch: RemoteMicroBatch, kind: str) -> dict[str, Any]:
-        answer = self._request({"type": kind, "claim_id": batch.claim_id})
+    def _settle(self, batch: RemoteMicroBatch, kind: str, wait: bool = True) -> Any:
+        answer = self._send({"type": kind, "claim_id": batch.claim_id})
+        # The server frees the slot when it handles the message, before any later message.
         self._unsettled.discard(batch.claim_id)
         if kind == "nack":
             self._at_boundary = False  # the rows come back; their slot is free (as embedded)
-        return answer
+        return answer.result(120.0) if wait else answer
 
     @property
     def at_boundary(self) -> bool:

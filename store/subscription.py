@@ -23,6 +23,7 @@ next global batch is claimed under the old weights.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
@@ -61,11 +62,21 @@ class MicroBatch:
     def num_rows(self) -> int:
         return self.data.num_rows
 
-    def ack(self) -> dict[str, Any]:
-        return self._sub._settle(self, ack=True)
+    def ack(self, wait: bool = True) -> Any:
+        """Ack (durable on return). ``wait`` exists for parity with remote subscriptions, whose
+        ``ack(wait=False)`` returns a Future; here the ack is always done on return."""
+        result = self._sub._settle(self, ack=True)
+        return result if wait else _done(result)
 
-    def nack(self) -> dict[str, Any]:
-        return self._sub._settle(self, ack=False)
+    def nack(self, wait: bool = True) -> Any:
+        result = self._sub._settle(self, ack=False)
+        return result if wait else _done(result)
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 class Subscription:
