@@ -15,6 +15,7 @@ import io
 import os
 import re
 import threading
+import zlib
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
@@ -28,13 +29,19 @@ SEGMENT_BYTES = 256 << 20
 _SEGMENT_NAME = re.compile(r"^seg-(\d{8})\.arrow$")
 
 
+CHECKSUM_BYTES = 4
+
+
 def serialize_chunk(values: pa.Array) -> bytes:
-    """One column's large values as an Arrow IPC stream (done on the caller's thread)."""
+    """One column's large values as a CRC-32 followed by an Arrow IPC stream (on the caller's
+    thread). Arrow IPC has no checksum of its own; without one, damaged bytes that still parse
+    (text overwritten by other text) would be served as values."""
     sink = io.BytesIO()
     batch = pa.record_batch([values], names=["v"])
     with pa.ipc.new_stream(sink, batch.schema) as w:
         w.write_batch(batch)
-    return sink.getvalue()
+    body = sink.getvalue()
+    return zlib.crc32(body).to_bytes(CHECKSUM_BYTES, "little") + body
 
 
 class BlobStore:
@@ -164,8 +171,12 @@ class BlobStore:
         if len(data) != length:
             raise StorageError(f"blob chunk {segment}:{offset}:{length} is truncated in {path!r} "
                                f"({len(data)} of {length} bytes)")
+        body = memoryview(data)[CHECKSUM_BYTES:]
+        if zlib.crc32(body).to_bytes(CHECKSUM_BYTES, "little") != bytes(data[:CHECKSUM_BYTES]):
+            raise StorageError(f"blob chunk {segment}:{offset}:{length} in {path!r} is corrupt: "
+                               "its checksum does not match its bytes")
         try:
-            values = pa.ipc.open_stream(pa.py_buffer(data)).read_all().column(0).combine_chunks()
+            values = pa.ipc.open_stream(pa.py_buffer(body)).read_all().column(0).combine_chunks()
             # IPC has no checksums: damaged bytes inside a chunk would otherwise be served as
             # values (invalid UTF-8, offsets past the end). Full validation catches those.
             values.validate(full=True)

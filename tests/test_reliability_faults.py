@@ -251,8 +251,6 @@ def test_corrupt_blob_chunk_names_the_segment_and_spares_other_rows(tmp_path):
         s.ack(claim.claim_id)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: blob chunks carry no checksum, so bytes "
-                   "replaced by other valid UTF-8 text inside a value are served as the value")
 def test_a_same_length_text_overwrite_inside_a_value_is_detected(tmp_path):
     path, _, b_ids, _, b_key = _two_chunks(tmp_path)
     segment, offset, length, _ = (int(x) for x in b_key.split(":"))
