@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable, Iterator
 
 import pytest
+from waiting import wait_until
 
 import store
 
@@ -59,17 +60,7 @@ def embedded_store(open_store) -> Any:
     return open_store()
 
 
-def _wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-                message: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{message} did not hold within {timeout} s")
-        time.sleep(interval)
+_wait_until = wait_until
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ import os
 import subprocess
 import threading
 import time
+
+from waiting import wait_until  # noqa: F401 - re-exported for the tests
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -113,19 +115,6 @@ def put_batches(client: flight.FlightClient, table: str, batches: list[pa.Record
     finally:
         writer.close()
     return out
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-               message: str = "condition") -> Any:
-    """Poll ``predicate`` (a state query, not a sleep standing in for one) until truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{message} did not hold within {timeout} s")
-        time.sleep(interval)
 
 
 def error_code(error: flight.FlightError) -> str | None:

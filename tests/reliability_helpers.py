@@ -18,6 +18,8 @@ import socket
 import subprocess
 import sys
 import time
+
+from waiting import wait_until  # noqa: F401 - re-exported for the tests
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,19 +55,6 @@ def free_port() -> int:
 def module_entry_point() -> bool:
     """Whether ``python -m flight_server`` exists in this checkout."""
     return (ROOT / "flight_server" / "__main__.py").exists()
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, message: str,
-               interval: float = 0.05) -> Any:
-    """Poll ``predicate`` until truthy; raise AssertionError after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{message} did not hold within {timeout} s")
-        time.sleep(interval)
 
 
 class ServerProcess:
