@@ -268,7 +268,9 @@ class ExperienceWriter:
         while not self._closed:
             try:
                 version = self.store.wait_version(self.table, self.version + 1, timeout=1.0)
-            except (StoreClosed, Unavailable):
+            except StoreClosed:
+                return  # the store went away: nothing left to watch
+            except Unavailable:
                 if self._closed:
                     return
                 time.sleep(self.backoff)

@@ -81,9 +81,10 @@ class EmbeddedStore:
         self._recent_acked: OrderedDict[str, int] = OrderedDict()
         self._recent_expired: OrderedDict[str, str] = OrderedDict()
         self._query_slots = threading.BoundedSemaphore(max_concurrent_queries)
-        self._readers = threading.local()
+        # One reader cursor per thread, kept here (not in thread-locals) so that close() can
+        # drop every one of them, also those of threads that live on (gRPC's pool).
+        self._readers: dict[int, duckdb.DuckDBPyConnection] = {}
         self._reader_root = self._con.cursor()
-        self._all_readers: list[duckdb.DuckDBPyConnection] = []
         self._reader_lock = threading.Lock()
         try:
             self.blobs = BlobStore(blob_dir or f"{path}.blobs", blob_filesystem)
@@ -585,6 +586,8 @@ class EmbeddedStore:
 
         Returns the current version when ``timeout`` passes first.
         """
+        if self._closed:
+            raise StoreClosed("the store is closed")
         live = self._live_table(table)
         group = live.tdef.version_group
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -667,14 +670,14 @@ class EmbeddedStore:
             timer.cancel()
 
     def _reader(self) -> duckdb.DuckDBPyConnection:
-        cursor = getattr(self._readers, "cursor", None)
+        ident = threading.get_ident()
+        cursor = self._readers.get(ident)
         if cursor is None:
             with self._reader_lock:
                 if self._closed:
                     raise StoreClosed("the store is closed")
                 cursor = self._reader_root.cursor()
-                self._all_readers.append(cursor)
-            self._readers.cursor = cursor
+                self._readers[ident] = cursor
         return cursor
 
     # -- stats ------------------------------------------------------------------------------------
@@ -777,12 +780,12 @@ class EmbeddedStore:
         except duckdb.Error:
             pass
         with self._reader_lock:
-            for cursor in self._all_readers + [self._reader_root]:
+            for cursor in list(self._readers.values()) + [self._reader_root]:
                 try:
                     cursor.close()
                 except duckdb.Error:
                     pass
-            self._all_readers.clear()
+            self._readers.clear()
         self._con.close()
 
     def __enter__(self) -> "EmbeddedStore":

@@ -65,6 +65,8 @@ def test_a_full_buffer_blocks_then_times_out_when_nothing_drains(s):
     with pytest.raises((TimeoutError, store.ExpstoreError)):
         for i in range(100):
             w.write({"sample_id": f"q{i}_0_0", "prompt": "p"})
+    with pytest.raises((TimeoutError, store.ExpstoreError)):
+        w.close(timeout=5)
 
 
 def test_write_without_sample_id_is_refused(s):
