@@ -20,23 +20,16 @@ import pyarrow.flight as flight
 from store.errors import ERROR_CLASSES, ExpstoreError, InvalidArgument, StoreClosed, \
     Unavailable
 
+from store.subscription import MicroBatch
+
 from .errors import from_flight
 
 
 @dataclass
-class RemoteMicroBatch:
-    data: pa.Table
-    table: str
-    claim_id: str
-    index: int
-    is_boundary: bool
-    version: int
-    global_batch: int
-    _sub: "RemoteSubscription"
+class RemoteMicroBatch(MicroBatch):
+    """A micro-batch pushed by the server; ack and nack travel on the subscription's stream."""
 
-    @property
-    def num_rows(self) -> int:
-        return self.data.num_rows
+    _sub: "RemoteSubscription"  # type: ignore[assignment]
 
     def ack(self, wait: bool = True) -> Any:
         """Ack; with ``wait=False`` return at once with a Future of the answer. Messages are

@@ -92,8 +92,8 @@ class _Worker(threading.Thread):
             if self.s is not None:
                 self.s.close()
 
-    def work(self) -> None:
-        raise NotImplementedError
+    def work(self) -> None:  # each worker kind says what it does
+        raise TypeError(f"{type(self).__name__} must define work()")
 
 
 class Producer(_Worker):
