@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -20,6 +20,9 @@ from store.prepare import to_arrow_table
 from store.schema import TableDef
 
 from .errors import from_flight
+
+if TYPE_CHECKING:
+    from .subscriber import RemoteSubscription
 
 
 class RemoteStore:

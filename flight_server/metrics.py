@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -72,6 +72,7 @@ class Metrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the HTTP endpoint (``/metrics``); returns the port it listens on."""
+        self._http: Any
         self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
         return int(self._http.server_port)
 

@@ -73,7 +73,8 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         if tokens_file is not None:
             middleware["auth"] = AuthMiddlewareFactory(load_tokens(tokens_file))
         self._owns_store = not isinstance(db, EmbeddedStore)
-        self.store = EmbeddedStore(db, **store_options) if self._owns_store else db
+        self.store: EmbeddedStore = db if isinstance(db, EmbeddedStore) else \
+            EmbeddedStore(db, **store_options)
         try:
             super().__init__(f"{scheme}://{host}:{port}", tls_certificates=tls,
                              middleware=middleware)

@@ -100,10 +100,13 @@ class RemoteSubscription:
                 elif meta.get("type") == "error" and meta.get("fatal"):
                     # The server ended the subscription: next() raises it; close() finishes the
                     # stream, which the server waits for.
-                    error = ERROR_CLASSES.get(meta.get("code"), ExpstoreError)(meta.get("message"))
+                    error = ERROR_CLASSES.get(str(meta.get("code")), ExpstoreError)(
+                        meta.get("message"))
                     break
                 else:
-                    future = self._pending.pop(meta.get("request"), None)
+                    request = meta.get("request")
+                    future = (self._pending.pop(request, None) if isinstance(request, int)
+                              else None)
                     if future is not None:
                         future.set_result(meta)
         except StopIteration:

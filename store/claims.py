@@ -46,7 +46,8 @@ class ClaimRequest:
             if self.group_by not in GROUP_COLUMNS:
                 raise InvalidArgument(f"group_by {self.group_by!r} is not supported; expected "
                                       f"one of {GROUP_COLUMNS}")
-            if not _is_int(self.group_size) or not 1 <= self.group_size <= self.limit:
+            if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) \
+                    or not 1 <= self.group_size <= self.limit:
                 raise InvalidArgument(f"group_size {self.group_size!r} is invalid; expected an "
                                       f"integer in [1, limit={self.limit}]")
         if self.where is not None:

@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Callable, Any, Mapping
 
 import duckdb
 import pyarrow as pa
@@ -279,7 +279,7 @@ class EmbeddedStore:
                 if self._live.get(req.table) is not live:
                     raise self._no_table(req.table)
                 rows = live.select(req.limit, req.group_size,
-                                   None if ok is None else (lambda r, ok=ok: r.row_id in ok))
+                                   None if ok is None else _member_of(ok))
                 if len(rows) < req.min_rows:
                     return Claim("", owner, 0.0, {})
                 picks.append(rows)
@@ -805,6 +805,10 @@ class EmbeddedStore:
 
     def _no_table(self, name: object) -> NotFound:
         return NotFound(f"table {name!r} does not exist; tables: {self.list_tables()}")
+
+
+def _member_of(row_ids: set[int]) -> Callable[[Row], bool]:
+    return lambda row: row.row_id in row_ids
 
 
 def _remember(d: OrderedDict, key: str, value: Any) -> None:

@@ -86,6 +86,7 @@ def _columns_to_arrays(tdef: TableDef, cols: Mapping[str, Any]) -> dict[str, pa.
         if target is None:
             _unknown_column(tdef, name)
         try:
+            assert target is not None
             if is_tensor(target):
                 out[name] = tensors.to_arrow(
                     [None if v is None else np.asarray(v) for v in values],

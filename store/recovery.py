@@ -45,6 +45,7 @@ def load_state(con: duckdb.DuckDBPyConnection) -> State:
         tdef = TableDef.from_json(definition)
         max_row = con.execute(f"SELECT max(row_id), count(*) FILTER (WHERE consumed OR stale "
                               f"OR dead) FROM {quote(name)}").fetchone()
+        assert max_row is not None  # an aggregate always returns one row
         live = LiveTable(tdef, next_row_id=(int(max_row[0]) + 1) if max_row[0] is not None else 0)
         if max_row[1]:
             state.terminal_possible.add(name)

@@ -90,7 +90,7 @@ class Subscription:
         idle_timeout: stop iterating after this many seconds without a micro-batch (None: never).
     """
 
-    def __init__(self, store: _Store, table: str, micro_batch_size: int, global_batch_size: int,
+    def __init__(self, store: Any, table: str, micro_batch_size: int, global_batch_size: int,
                  *, where: str | None = None, group_by: str | None = None,
                  group_size: int | None = None, consumer: str | None = None,
                  max_in_flight: int = 2, lease_seconds: float | None = None,

@@ -21,7 +21,8 @@ def to_arrow(arrays: Sequence[np.ndarray | None], dtype: str | np.dtype | None =
     np_dtype = np.dtype(dtype) if dtype is not None else (
         np.asarray(present[0]).dtype if present else np.dtype("float32"))
     element = pa.from_numpy_dtype(np_dtype)
-    shapes, datas = [], []
+    shapes: list[list[int] | None] = []
+    datas: list[pa.Array | None] = []
     for a in arrays:
         if a is None:
             shapes.append(None)

@@ -11,6 +11,7 @@ If a group fails, each operation is retried alone so that one bad operation fail
 """
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 from contextlib import contextmanager
@@ -261,7 +262,7 @@ class Writer:
                     value = op.run(con)
                     if op.apply is not None:
                         apply = op.apply
-                        txn.applies.append(lambda apply=apply, value=value: apply(value))
+                        txn.applies.append(functools.partial(apply, value))
                     results[i] = value
             if puts:
                 self._puts(txn, puts, results)
@@ -289,8 +290,8 @@ class Writer:
         self._dirty_since_checkpoint = True
         with store._lock:
             try:
-                for apply in txn.applies:
-                    apply()
+                for effect in txn.applies:
+                    effect()
             finally:
                 store._flushing = {}
                 store._commit_seq += 1
@@ -309,7 +310,7 @@ class Writer:
             self._check_versions(live, p)
             physical = self._with_blob_keys(p)
             results[i] = {"rows": p.rows, "version": store._versions[live.tdef.version_group]}
-            txn.applies.append(lambda rows=p.rows: store._count_put(rows))
+            txn.applies.append(functools.partial(store._count_put, p.rows))
             if batch and (batch[0][0].signature() != p.signature()
                           or not batch_keys.isdisjoint(p.keys)):
                 self._write_rows(txn, batch)
@@ -385,16 +386,16 @@ class Writer:
             # the write updates them instead of failing on the primary key.
             found = self._existing_rows(tname, [keys[i] for i in np.nonzero(is_new)[0]])
             if found:
-                for i in np.nonzero(is_new)[0]:
+                for i in np.nonzero(is_new)[0].tolist():
                     rid = found.get(keys[i])
                     if rid is not None:
                         txn.new_rows.pop((tname, keys[i]), None)
-                        row_ids[i] = rid
+                        row_ids[i] = int(rid)
                         is_new[i] = False
                         terminal.add(int(rid))
                 # Re-number what is really new so row ids stay dense.
                 next_id = txn.next_row_id.get(tname, live.next_row_id)
-                for i in np.nonzero(is_new)[0]:
+                for i in np.nonzero(is_new)[0].tolist():
                     row_ids[i] = next_id
                     txn.new_rows[(tname, keys[i])] = next_id
                     next_id += 1
@@ -445,18 +446,18 @@ class Writer:
         complete: list[bool] = []
         if len(data_cols) == len(tdef.columns):
             # The write carries every data column: the row's claimable values are all here.
-            cols: dict[str, Any] = {n: physical.column(n) for n in
-                                    ("sample_id", "input_id", "turn", "trajectory_id",
-                                     "policy_version")}
-            cols["finished_version"] = pc.coalesce(physical.column("finished_version"),
-                                                   pa.scalar(int(current), pa.int64()))
-            for c in tdef.columns:
-                cols[c.name] = physical.column(c.name)
-                if c.ref:
-                    cols[c.ref] = physical.column(c.ref)
-            for c in tdef.columns:
-                cols[c.status] = pc.coalesce(physical.column(c.status), False)
-            payload = pa.table(cols).cast(live.payload_schema)
+            values: dict[str, Any] = {n: physical.column(n) for n in
+                                      ("sample_id", "input_id", "turn", "trajectory_id",
+                                       "policy_version")}
+            values["finished_version"] = pc.coalesce(physical.column("finished_version"),
+                                                     pa.scalar(int(current), pa.int64()))
+            for col in tdef.columns:
+                values[col.name] = physical.column(col.name)
+                if col.ref:
+                    values[col.ref] = physical.column(col.ref)
+            for col in tdef.columns:
+                values[col.status] = pc.coalesce(physical.column(col.status), False)
+            payload = pa.table(values).cast(live.payload_schema)
             # Per row: a null value leaves the stored one, which this batch does not hold, so
             # only rows that wrote every data column may take their values from it.
             complete = np.logical_and.reduce([
