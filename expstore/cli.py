@@ -438,7 +438,7 @@ def query(sql: str, params: tuple[str, ...], fmt: str | None, output: str | None
 @contextmanager
 def _text_sink(path: str | None) -> Iterator[Any]:
     if path is None:
-        yield click.get_text_stream("stdout")
+        yield sys.stdout
         return
     with open(path, "w", encoding="utf-8", newline="") as f:
         yield f
@@ -630,7 +630,7 @@ def export(table: str | None, sql: str | None, output: str, fmt: str | None, chu
     label = f"exporting {table}" if table is not None else "exporting query"
 
     def progress(total: int) -> Any:
-        return click.progressbar(length=total, label=label, file=click.get_text_stream("stderr"),
+        return click.progressbar(length=total, label=label, file=sys.stderr,
                                  show_pos=True)
 
     with target.open() as s:
