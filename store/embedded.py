@@ -313,7 +313,7 @@ class EmbeddedStore:
                 return
             for live, row in lease.rows:
                 row.deliveries -= 1
-                self._release_row(live, row)
+                live.release(row)
                 self._row_updates.setdefault(live.tdef.name, {})[row.row_id] = (
                     row.row_id, False, None, None, None, row.deliveries, False, False)
             self._notify()
@@ -465,37 +465,32 @@ class EmbeddedStore:
             plan.setdefault(live.tdef.name, []).append((row, outcome))
         return plan
 
-    def _settled(self, lease: Lease, plan: dict[str, list[tuple[Row, str]]], ack: bool) -> None:
+    def _settled(self, lease: Lease, plan: dict[str, list[tuple[Row, str]]], how: str) -> None:
+        """Apply a settled lease to memory; ``how`` is "ack", "nack" or "expired"."""
         self._claims.pop(lease.claim_id, None)
         self._settling.pop(lease.claim_id, None)
         for tname, rows in plan.items():
             live = self._live.get(tname)
             if live is None:
                 continue
-            if live.tdef.max_staleness >= 0:
-                self._terminal_possible.add(tname)
+            self._terminal_possible.add(tname)
             for row, outcome in rows:
                 if outcome == "ready":
-                    self._release_row(live, row)
+                    live.release(row)
                 else:
                     live.forget(row)
                     if outcome in ("dead", "stale"):
                         self.counters["dead_letters" if outcome == "dead" else "stale_rows"] += 1
-        self.counters["acks" if ack else "nacks"] += 1
-        if ack:
+        if how == "ack":
+            self.counters["acks"] += 1
             self.counters["rows_acked"] += len(lease.rows)
-        if ack:
             _remember(self._recent_acked, lease.claim_id, len(lease.rows))
-        else:
+        elif how == "nack":
+            self.counters["nacks"] += 1
             _remember(self._recent_expired, lease.claim_id, "it was nacked")
-
-    def _release_row(self, live: LiveTable, row: Row) -> None:
-        if row.state == LEASED:
-            live.leased_count -= 1
-            row.state = "pending"
-            row.lease = None
-        if live.is_complete(row):
-            live.make_ready(row)
+        else:
+            self.counters["leases_expired"] += 1
+            _remember(self._recent_expired, lease.claim_id, "its lease expired")
 
     def _expire(self, lease: Lease) -> None:
         """End an expired lease (lock held): rows ready again, or dead/stale."""
@@ -505,10 +500,7 @@ class EmbeddedStore:
             for row, outcome in rows:
                 pending[row.row_id] = (row.row_id, False, None, None, None, row.deliveries,
                                        outcome == "stale", outcome == "dead")
-        self._settled(lease, plan, ack=False)
-        self.counters["nacks"] -= 1
-        self.counters["leases_expired"] += 1
-        self._recent_expired[lease.claim_id] = "its lease expired"
+        self._settled(lease, plan, "expired")
         self._notify()
 
     def _expire_leases(self) -> None:

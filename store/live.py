@@ -137,6 +137,15 @@ class LiveTable:
         row.deliveries += 1
         self.leased_count += 1
 
+    def release(self, row: Row) -> None:
+        """End a row's lease without consuming it: ready again if complete, else pending."""
+        if row.state == LEASED:
+            self.leased_count -= 1
+            row.state = PENDING
+            row.lease = None
+        if self.is_complete(row):
+            self.make_ready(row)
+
     def forget(self, row: Row) -> None:
         """Drop a row that reached a terminal state (consumed, stale, dead)."""
         row.payload = None

@@ -557,7 +557,8 @@ class Writer:
                     "lease_expires_at = NULL, delivery_count = b.delivery_count, "
                     "dead = b.dead, stale = t.stale OR b.stale, updated_at = now() "
                     "FROM _expstore_nack AS b WHERE t.row_id = b.row_id")
-        txn.applies.append(lambda: store._settled(lease, plan, ack=op.ack))
+        txn.applies.append(functools.partial(store._settled, lease, plan,
+                                             "ack" if op.ack else "nack"))
         return {"claim_id": lease.claim_id, "acked" if op.ack else "nacked": len(lease.rows)}
 
     # -- versions -------------------------------------------------------------------------------
