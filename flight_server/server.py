@@ -27,8 +27,6 @@ import pyarrow.flight as flight
 
 from store.embedded import EmbeddedStore
 from store.errors import InvalidArgument, NotFound
-from store.prepare import prepare_put
-from store.writer import PutOp
 
 from .actions import ACTIONS, parse_body
 from .auth import AuthMiddlewareFactory, Principal, load_tokens, principal_of
@@ -149,7 +147,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         self._principal(context, "writer", "do_put")
         with flight_errors(), self.metrics.timed("do_put"):
             table = self._table_of(descriptor)
-            live = self.store._live_table(table)
+            self.store.describe(table)  # an unknown table fails before any batch is read
             answers = _PutAnswers(writer, PUT_PIPELINE)
             index = 0
             try:
@@ -157,10 +155,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
                     answers.raise_failure()
                     if chunk.data is None or chunk.data.num_rows == 0:
                         continue
-                    version = self.store._versions[live.tdef.version_group]
-                    prepared = prepare_put(live.tdef, chunk.data, version,
-                                           self.store.ref_threshold)
-                    answers.submit(index, self.store._writer.submit(PutOp(prepared)))
+                    answers.submit(index, self.store.put_async(table, chunk.data))
                     index += 1
             finally:
                 # Answer (or fail on) every batch already handed to the writer, in order.

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Callable, Any, Mapping
 
 import duckdb
@@ -32,12 +33,12 @@ from .blobs import BlobStore
 from .claims import Claim, ClaimRequest
 from .errors import AlreadyExists, StoreClosed, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
     QueryRefused, QueryTimeout, StorageError
-from .live import LEASED, Lease, LiveTable, Row
+from .live import Lease, LiveTable, Row
 from .naming import check_identifier, quote
 from .opening import connect_duckdb, ensure_catalog
 from .prepare import prepare_put
 from .recovery import load_state
-from .schema import CLAIM_META, TableDef
+from .schema import TableDef
 from .sqlguard import check_select
 from .writer import BumpOp, CallOp, PutOp, SettleOp, Writer
 
@@ -227,10 +228,19 @@ class EmbeddedStore:
             SchemaMismatch, InvalidArgument: bad columns, types or sample ids.
             StaleVersion: a policy version outside the staleness bound or in the future.
         """
+        return self.put_async(table, data).result(timeout)
+
+    def put_async(self, table: str, data: Any) -> Future:
+        """Validate a write now and queue it; the Future resolves once it is durable.
+
+        Validation errors raise here; commit errors (e.g. StaleVersion) come from the Future.
+        Several writes in flight at once share group commits (the Flight server pipelines a
+        stream's batches this way).
+        """
         live = self._live_table(table)
         prepared = prepare_put(live.tdef, data, self._versions[live.tdef.version_group],
                                self.ref_threshold)
-        return self._writer.call(PutOp(prepared), timeout)
+        return self._writer.submit(PutOp(prepared))
 
     def _count_put(self, rows: int) -> None:
         self.counters["puts"] += 1
