@@ -23,6 +23,9 @@ PENDING, READY, LEASED = "pending", "ready", "processing"
 Key = tuple[str, int]          # (sample_id, policy_version)
 GroupKey = tuple[int, str]     # (policy_version, input_id)
 
+#: Terminal rows a table remembers in memory at most; past it, the writer asks DuckDB instead.
+TERMINAL_INDEX_MAX = 1_000_000
+
 
 class Row:
     """One live row's bookkeeping (its data stays in DuckDB and the blob store)."""
@@ -95,6 +98,13 @@ class LiveTable:
         self.leased_count = 0
         self.required_mask = tdef.required_mask
         self.payload_schema = tdef.payload_schema()
+        # Terminal rows (consumed, stale, dead) that a put may still address, so that a put of a
+        # key that is not live needs no DuckDB lookup: policy_version -> sample_id -> row_id.
+        # Only versions a put may still carry (>= current version - max_staleness; older ones
+        # are refused as stale) are kept, so its size is bounded by the staleness window. None:
+        # not kept (over TERMINAL_INDEX_MAX); the writer then asks DuckDB.
+        self.terminal: dict[int, dict[str, int]] | None = {}
+        self.terminal_count = 0
 
     # -- state transitions ---------------------------------------------------------------------
     def is_complete(self, row: Row) -> bool:
@@ -148,6 +158,9 @@ class LiveTable:
 
     def forget(self, row: Row) -> None:
         """Drop a row that reached a terminal state (consumed, stale, dead)."""
+        # Remembered as terminal before it leaves ``rows``: the writer, which looks keys up
+        # without the lock, finds a key in one or the other.
+        self.remember_terminal(row.version, row.sample_id, row.row_id)
         row.payload = None
         if row.state == READY:
             self.unready(row)
@@ -156,6 +169,30 @@ class LiveTable:
         row.state = PENDING
         row.lease = None
         self.rows.pop(row.key, None)
+
+    # -- terminal rows -----------------------------------------------------------------------------
+    def remember_terminal(self, version: int, sample_id: str, row_id: int) -> None:
+        terminal = self.terminal
+        if terminal is None:
+            return
+        if self.terminal_count >= TERMINAL_INDEX_MAX:
+            self.terminal = None  # the writer notices and asks DuckDB (see Writer._write_rows)
+            self.terminal_count = 0
+            return
+        by_sid = terminal.get(version)
+        if by_sid is None:
+            by_sid = terminal[version] = {}
+        if sample_id not in by_sid:
+            self.terminal_count += 1
+        by_sid[sample_id] = row_id
+
+    def prune_terminal(self, bound: int) -> None:
+        """Forget terminal rows of versions below ``bound``: puts of them are refused as stale."""
+        terminal = self.terminal
+        if terminal is None:
+            return
+        for version in [v for v in terminal if v < bound]:
+            self.terminal_count -= len(terminal.pop(version))
 
     # -- reading the ready index ----------------------------------------------------------------
     def _iter_groups(self) -> Iterator[_Group]:

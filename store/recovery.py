@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import duckdb
 
-from .live import Lease, LiveTable, Row
+from .live import TERMINAL_INDEX_MAX, Lease, LiveTable, Row
 from .naming import quote
 from .schema import TableDef
 
@@ -82,7 +82,26 @@ def load_state(con: duckdb.DuckDBPyConnection) -> State:
                     ended.add(lease_id)
                 if live.is_complete(row):
                     live.make_ready(row)
+        _load_terminal(con, live, bound)
         state.live[name] = live
     state.leases = list(leases.values())
     state.ended = sorted(ended - leases.keys())
     return state
+
+
+def _load_terminal(con: duckdb.DuckDBPyConnection, live: LiveTable, bound: int) -> None:
+    """Terminal rows a put may still address (versions >= ``bound``; see LiveTable.terminal)."""
+    name = live.tdef.name
+    cursor = con.execute(
+        f"SELECT policy_version, sample_id, row_id FROM {quote(name)} "
+        "WHERE (consumed OR stale OR dead) AND policy_version >= ?", [bound])
+    while live.terminal is not None:
+        chunk = cursor.fetchmany(10_000)
+        if not chunk:
+            break
+        if live.terminal_count + len(chunk) > TERMINAL_INDEX_MAX:
+            live.terminal = None  # too many to keep: the writer asks DuckDB
+            live.terminal_count = 0
+            break
+        for version, sid, row_id in chunk:
+            live.remember_terminal(int(version), sid, int(row_id))
