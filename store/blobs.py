@@ -11,7 +11,6 @@ segment object, since object stores cannot append.
 """
 from __future__ import annotations
 
-import io
 import os
 import re
 import threading
@@ -32,16 +31,34 @@ _SEGMENT_NAME = re.compile(r"^seg-(\d{8})\.arrow$")
 CHECKSUM_BYTES = 4
 
 
-def serialize_chunk(values: pa.Array) -> bytes:
+def serialize_chunk_buffer(values: pa.Array) -> pa.Buffer:
     """One column's large values as a CRC-32 followed by an Arrow IPC stream (on the caller's
-    thread). Arrow IPC has no checksum of its own; without one, damaged bytes that still parse
-    (text overwritten by other text) would be served as values."""
-    sink = io.BytesIO()
+    thread), in one Arrow buffer written once. Arrow IPC has no checksum of its own; without
+    one, damaged bytes that still parse (text overwritten by other text) would be served as
+    values."""
+    batch = pa.record_batch([values], names=["v"])
+    size = pa.MockOutputStream()                     # counts bytes, copies nothing
+    with pa.ipc.new_stream(size, batch.schema) as w:
+        w.write_batch(batch)
+    buf = pa.allocate_buffer(CHECKSUM_BYTES + size.size())
+    sink = pa.FixedSizeBufferWriter(buf)
+    sink.write(bytes(CHECKSUM_BYTES))
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    crc = zlib.crc32(memoryview(buf)[CHECKSUM_BYTES:])
+    pa.FixedSizeBufferWriter(buf).write(crc.to_bytes(CHECKSUM_BYTES, "little"))
+    return buf
+
+
+def serialize_chunk(values: pa.Array) -> bytes:
+    """:func:`serialize_chunk_buffer` as ``bytes`` (one pass: the IPC stream is written once,
+    then joined to its CRC)."""
+    sink = pa.BufferOutputStream()
     batch = pa.record_batch([values], names=["v"])
     with pa.ipc.new_stream(sink, batch.schema) as w:
         w.write_batch(batch)
     body = sink.getvalue()
-    return zlib.crc32(body).to_bytes(CHECKSUM_BYTES, "little") + body
+    return b"".join((zlib.crc32(body).to_bytes(CHECKSUM_BYTES, "little"), body))
 
 
 class BlobStore:
