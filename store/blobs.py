@@ -8,15 +8,26 @@ once, and only then commits the keys to DuckDB. A key is ``"{segment}:{offset}:{
 Segments live in a directory beside the database by default; any ``pyarrow.fs.FileSystem`` (S3,
 GCS, a sub-tree) can be given instead, in which case each group commit writes one immutable
 segment object, since object stores cannot append.
+
+Local segments are written with ``O_DIRECT`` where the filesystem accepts it (page-cache
+writeback, not the device, limits buffered ``write`` + ``fsync``): each group commit then starts
+at a 4 KiB-aligned offset and its tail is padded with zeros to a 4 KiB boundary. Keys carry
+offsets, so readers never see the padding (nothing reads a segment sequentially); segments
+written before, or by the buffered fallback (filesystems that refuse ``O_DIRECT``, such as tmpfs
+on older kernels, or ``EXPSTORE_BLOB_DIRECT_IO=0``), have no padding and read the same way. A
+write is still followed by ``fsync`` before any key is committed.
 """
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import re
 import threading
+import uuid
 import zlib
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, Union
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -29,6 +40,21 @@ _SEGMENT_NAME = re.compile(r"^seg-(\d{8})\.arrow$")
 
 
 CHECKSUM_BYTES = 4
+
+# O_DIRECT segment writes: off with EXPSTORE_BLOB_DIRECT_IO=0 (or by setting DIRECT_IO = False
+# before a store opens), and off by itself where the filesystem refuses them.
+DIRECT_IO = os.environ.get("EXPSTORE_BLOB_DIRECT_IO", "1").strip().lower() not in (
+    "0", "false", "no", "off")
+_O_DIRECT: int | None = getattr(os, "O_DIRECT", None)
+ALIGN = 4096                        # group commits start at multiples of this when O_DIRECT is on
+DIRECT_MIN_BYTES = 64 << 10         # smaller group commits are written buffered (same alignment;
+                                    # no faster either way there)
+STAGING_BYTES = 16 << 20            # the page-aligned buffer O_DIRECT writes go through
+_IOV_MAX = 1024                     # buffers per pwritev call (Linux's IOV_MAX)
+
+# What BlobStore.append takes: the bytes of serialize_chunk, or the buffer of
+# serialize_chunk_buffer (one copy fewer).
+Chunk = Union[bytes, pa.Buffer]
 
 
 def serialize_chunk_buffer(values: pa.Array) -> pa.Buffer:
@@ -61,6 +87,33 @@ def serialize_chunk(values: pa.Array) -> bytes:
     return b"".join((zlib.crc32(body).to_bytes(CHECKSUM_BYTES, "little"), body))
 
 
+def _align_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _probe_direct(root: str) -> bool:
+    """Whether ``root``'s filesystem takes an aligned O_DIRECT write (tmpfs refuses the open)."""
+    if not DIRECT_IO or _O_DIRECT is None:
+        return False
+    path = os.path.join(root, f".direct-probe-{uuid.uuid4().hex}")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
+    except OSError:
+        return False
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        return os.pwrite(fd, buf, 0) == ALIGN
+    except OSError:
+        return False
+    finally:
+        buf.close()
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 class BlobStore:
     """Append-only segments of serialised chunks.
 
@@ -71,8 +124,10 @@ class BlobStore:
         self.root = root.rstrip("/")
         self._fs = filesystem
         self._local = filesystem is None or isinstance(filesystem, pafs.LocalFileSystem)
-        self._pending: list[bytes] = []
+        self._pending: list[Chunk] = []
         self._pending_bytes = 0
+        self._start = 0                  # where the staged chunks go in the current segment
+        self._staging: mmap.mmap | None = None
         self._cache: OrderedDict[tuple[int, int, int], pa.Array] = OrderedDict()
         self._cache_lock = threading.Lock()
         try:
@@ -84,6 +139,8 @@ class BlobStore:
             segments = self.segments()
         except OSError as e:
             raise StorageError(f"cannot use blob directory {self.root!r}: {e}") from e
+        # Decided once per store; a write refused later (EINVAL) turns it off for good.
+        self._direct = self._local and _probe_direct(self.root)
         self._segment = max(segments) if segments else 0
         self._size = self._segment_size(self._segment) if segments else 0
         if not self._local or self._size >= SEGMENT_BYTES:
@@ -113,12 +170,16 @@ class BlobStore:
         return self._fs.get_file_info(self._path(segment)).size or 0
 
     # -- writing (writer thread) -----------------------------------------------------------------
-    def append(self, chunk: bytes) -> str:
+    def append(self, chunk: Chunk) -> str:
         """Stage a chunk for the next :meth:`sync`; return its key prefix (add ``:{row}``)."""
-        if self._local and self._size + self._pending_bytes > SEGMENT_BYTES and not self._pending:
-            self._segment += 1
-            self._size = 0
-        key = f"{self._segment}:{self._size + self._pending_bytes}:{len(chunk)}"
+        if not self._pending:
+            if self._local and self._size > SEGMENT_BYTES:
+                self._segment += 1
+                self._size = 0
+            # O_DIRECT writes start on a block boundary; what lies before it is padding (or,
+            # after a crash, a torn tail) that no key points into.
+            self._start = _align_up(self._size) if self._direct else self._size
+        key = f"{self._segment}:{self._start + self._pending_bytes}:{len(chunk)}"
         self._pending.append(chunk)
         self._pending_bytes += len(chunk)
         return key
@@ -127,32 +188,81 @@ class BlobStore:
         """Write and fsync the staged chunks. On failure nothing staged is kept."""
         if not self._pending:
             return
-        data = b"".join(self._pending)
-        self._pending.clear()
+        pieces, total, start = self._pending, self._pending_bytes, self._start
+        self._pending = []
         self._pending_bytes = 0
         path = self._path(self._segment)
         try:
             if self._local:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                try:
-                    try:
-                        _write_all(fd, data)
-                        os.fsync(fd)
-                    except OSError:
-                        # A torn append would leave garbage that later offsets skip over; cut it.
-                        os.ftruncate(fd, self._size)
-                        raise
-                finally:
-                    os.close(fd)
-                self._size += len(data)
+                self._size = self._write_local(path, pieces, start, total)
             else:
                 assert self._fs is not None
                 with self._fs.open_output_stream(path) as out:
-                    out.write(data)
+                    for piece in pieces:
+                        out.write(piece)
                 self._segment += 1
                 self._size = 0
         except OSError as e:
             raise StorageError(f"cannot write blob segment {path!r}: {e}") from e
+
+    def _write_local(self, path: str, pieces: list[Chunk], start: int, total: int) -> int:
+        """Write ``pieces`` at ``start`` and fsync; return the segment's new end. A failed
+        write is cut off again (it would otherwise leave garbage that later offsets skip)."""
+        if self._direct and total >= DIRECT_MIN_BYTES:
+            try:
+                return self._write_direct(path, pieces, start, total)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct = False     # refused here: buffered from now on, and rewrite
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            try:
+                _pwrite_pieces(fd, pieces, start)
+                os.fsync(fd)
+            except OSError:
+                os.ftruncate(fd, self._size)
+                raise
+        finally:
+            os.close(fd)
+        return start + total
+
+    def _write_direct(self, path: str, pieces: list[Chunk], start: int, total: int) -> int:
+        """O_DIRECT: copy the pieces through a page-aligned buffer into block-aligned writes,
+        the last one padded with zeros; fsync (file size, device cache) as in the buffered
+        path."""
+        assert _O_DIRECT is not None and start % ALIGN == 0
+        if self._staging is None:
+            self._staging = mmap.mmap(-1, _align_up(max(STAGING_BYTES, ALIGN)))
+        staging = self._staging
+        cap = len(staging)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | _O_DIRECT, 0o644)
+        try:
+            try:
+                offset, fill = start, 0
+                with memoryview(staging) as out:
+                    for piece in pieces:
+                        with memoryview(piece) as view:
+                            pos, n = 0, len(view)
+                            while pos < n:
+                                take = min(n - pos, cap - fill)
+                                staging[fill:fill + take] = view[pos:pos + take]
+                                fill += take
+                                pos += take
+                                if fill == cap:
+                                    offset = _pwrite_all(fd, out[:cap], offset)
+                                    fill = 0
+                    if fill:
+                        padded = _align_up(fill)
+                        staging[fill:padded] = bytes(padded - fill)
+                        offset = _pwrite_all(fd, out[:padded], offset)
+                os.fsync(fd)
+            except OSError:
+                os.ftruncate(fd, self._size)
+                raise
+        finally:
+            os.close(fd)
+        return offset
 
     def roll(self) -> None:
         """Start a new segment, so that the one written so far can be collected when no row
@@ -259,11 +369,32 @@ class BlobStore:
         return {"segments_removed": removed, "bytes_freed": freed}
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> int:
+    """Write all of ``view`` at ``offset``; return the offset after it."""
     while view:
-        n = os.write(fd, view)
+        n = os.pwrite(fd, view, offset)
         view = view[n:]
+        offset += n
+    return offset
+
+
+def _pwrite_pieces(fd: int, pieces: Sequence[Chunk], offset: int) -> None:
+    """Write the pieces back to back from ``offset`` without joining them (pwritev)."""
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    if not hasattr(os, "pwritev"):
+        _pwrite_all(fd, memoryview(b"".join(views)), offset)
+        return
+    i = 0
+    while i < len(views):
+        n = os.pwritev(fd, views[i:i + _IOV_MAX], offset)
+        offset += n
+        while n and i < len(views):
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i] = views[i][n:]
+                n = 0
 
 
 def keys_for(prefix: str, rows: int) -> pa.Array:

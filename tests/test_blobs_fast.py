@@ -1,0 +1,368 @@
+"""Blob segment writes: O_DIRECT to 4 KiB-aligned offsets (zero padding between group commits)
+and the buffered fallback, both readable, both cut a failed write off again; segments written by
+the code before O_DIRECT (no padding) still read, and a store appends after them."""
+from __future__ import annotations
+
+import errno
+import io
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pytest
+
+import store
+import store.blobs as blobs
+from store.blobs import ALIGN, BlobStore, serialize_chunk, serialize_chunk_buffer
+from store.errors import StorageError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _values(n: int, width: int, tag: str) -> pa.Array:
+    return pa.array([(f"{tag}{i}:" + "v" * width)[:width] for i in range(n)], pa.large_string())
+
+
+def _open(root: str, direct: bool, monkeypatch) -> BlobStore:
+    monkeypatch.setattr(blobs, "DIRECT_IO", direct)
+    b = BlobStore(root)
+    if direct and not b._direct:
+        pytest.skip(f"the filesystem of {root} refuses O_DIRECT")
+    assert b._direct is direct
+    return b
+
+
+def _put(b: BlobStore, arrays: list[pa.Array], buffer: bool = False) -> list[str]:
+    keys = [b.append(serialize_chunk_buffer(a) if buffer else serialize_chunk(a)) for a in arrays]
+    b.sync()
+    return keys
+
+
+def _check(b: BlobStore, keys: list[str], arrays: list[pa.Array]) -> None:
+    for key, arr in zip(keys, arrays):
+        got = b.resolve([f"{key}:{r}" for r in range(len(arr))], arr.type)
+        assert got.equals(arr), key
+
+
+BIG = 600 << 10                      # above DIRECT_MIN_BYTES: written with O_DIRECT
+SMALL = 3000                         # below it: buffered, at an aligned start all the same
+
+
+def test_serialize_chunk_layout_is_unchanged():
+    """CRC-32 of the IPC stream, then the stream: the bytes the pre-O_DIRECT code wrote."""
+    arr = _values(50, 700, "s")
+    sink = io.BytesIO()
+    batch = pa.record_batch([arr], names=["v"])
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    body = sink.getvalue()
+    old = zlib.crc32(body).to_bytes(4, "little") + body
+    assert serialize_chunk(arr) == old
+    assert serialize_chunk_buffer(arr).to_pybytes() == old
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_segments_round_trip_small_and_big_group_commits(tmp_path, monkeypatch, direct):
+    b = _open(str(tmp_path / "blobs"), direct, monkeypatch)
+    path = b._path(b._segment)
+    written: list[tuple[list[str], list[pa.Array]]] = []
+    ends = []
+    for i, (rows, width) in enumerate([(3, SMALL), (200, BIG // 200), (2, SMALL),
+                                       (1, 50), (400, BIG // 100)]):
+        arrays = [_values(rows, width, f"g{i}c{j}") for j in range(3)]
+        keys = _put(b, arrays, buffer=i % 2 == 1)
+        written.append((keys, arrays))
+        ends.append(os.path.getsize(path))
+        starts = [int(k.split(":")[1]) for k in keys]
+        lengths = [int(k.split(":")[2]) for k in keys]
+        # A group commit's chunks lie back to back ...
+        assert starts == [starts[0] + sum(lengths[:j]) for j in range(3)]
+        prev_end = ends[-2] if len(ends) > 1 else 0
+        if direct:
+            # ... from a block boundary; big ones end on one too (zero padding).
+            assert starts[0] % ALIGN == 0 and prev_end <= starts[0] < prev_end + ALIGN
+            if sum(lengths) >= blobs.DIRECT_MIN_BYTES:
+                assert ends[-1] % ALIGN == 0 and ends[-1] - starts[-1] - lengths[-1] < ALIGN
+                with open(path, "rb") as f:
+                    pad = os.pread(f.fileno(), ends[-1] - starts[-1] - lengths[-1],
+                                   starts[-1] + lengths[-1])
+                assert pad == bytes(len(pad))
+        else:
+            # The old layout: contiguous, no padding.
+            assert starts[0] == prev_end and ends[-1] == starts[-1] + lengths[-1]
+    for keys, arrays in written:
+        _check(b, keys, arrays)
+    reopened = BlobStore(str(tmp_path / "blobs"))
+    for keys, arrays in written:
+        _check(reopened, keys, arrays)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_a_batch_bigger_than_the_staging_buffer_and_many_pieces(tmp_path, monkeypatch, direct):
+    monkeypatch.setattr(blobs, "STAGING_BYTES", 64 << 10)
+    monkeypatch.setattr(blobs, "_IOV_MAX", 7)
+    b = _open(str(tmp_path / "blobs"), direct, monkeypatch)
+    arrays = [_values(5, 3001 + 37 * j, f"p{j}") for j in range(40)]     # ~600 KB, 40 pieces
+    keys = _put(b, arrays)
+    _check(b, keys, arrays)
+    _check(BlobStore(str(tmp_path / "blobs")), keys, arrays)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_a_failed_write_is_cut_off_and_nothing_staged_is_kept(tmp_path, monkeypatch, direct):
+    b = _open(str(tmp_path / "blobs"), direct, monkeypatch)
+    first = [_values(100, 7000, "ok")]
+    keys = _put(b, first)
+    path = b._path(b._segment)
+    size = os.path.getsize(path)
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(blobs.os, "fsync", no_space)
+    b.append(serialize_chunk(_values(100, 7000, "lost")))
+    with pytest.raises(StorageError, match="cannot write blob segment"):
+        b.sync()
+    assert os.path.getsize(path) == size
+    monkeypatch.undo()
+    monkeypatch.setattr(blobs, "DIRECT_IO", direct)
+    again = [_values(100, 7000, "again")]
+    keys2 = _put(b, again)
+    _check(b, keys + keys2, first + again)
+
+
+def test_o_direct_refused_at_write_falls_back_and_remembers(tmp_path, monkeypatch):
+    b = _open(str(tmp_path / "blobs"), True, monkeypatch)
+    calls = []
+
+    def refused(self, path, pieces, start, total):
+        calls.append(start)
+        # Part of the batch reached the file before the refusal: the rewrite must cover it.
+        with open(path, "ab") as f:
+            f.write(b"\xff" * 5000)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(BlobStore, "_write_direct", refused)
+    arrays = [_values(100, 7000, "a")]
+    keys = _put(b, arrays)
+    assert calls and not b._direct
+    more = [_values(100, 7000, "b")]
+    keys2 = _put(b, more)
+    assert len(calls) == 1                          # not tried again
+    _check(b, keys + keys2, arrays + more)
+
+
+def test_filesystem_refusing_o_direct_gets_the_buffered_path(monkeypatch, tmp_path):
+    shm = "/dev/shm"
+    if not os.path.isdir(shm) or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    root = os.path.join(shm, f"expstore-test-{os.getpid()}-{random.getrandbits(32)}")
+    monkeypatch.setattr(blobs, "DIRECT_IO", True)
+    try:
+        b = BlobStore(root)
+        if b._direct:
+            pytest.skip("/dev/shm takes O_DIRECT here")
+        arrays = [_values(100, 7000, "t")]
+        keys = _put(b, arrays)
+        assert int(keys[0].split(":")[1]) == 0
+        _check(b, keys, arrays)
+        assert sorted(os.listdir(root)) == ["seg-00000000.arrow"]       # no probe file left
+    finally:
+        for name in os.listdir(root) if os.path.isdir(root) else []:
+            os.remove(os.path.join(root, name))
+        if os.path.isdir(root):
+            os.rmdir(root)
+
+
+def test_o_direct_refused_at_open_is_detected_once(tmp_path, monkeypatch):
+    tried = []
+    real_open = os.open
+
+    def no_direct(path, flags, *args, **kw):
+        if flags & blobs._O_DIRECT:
+            tried.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kw)
+
+    if blobs._O_DIRECT is None:
+        pytest.skip("no O_DIRECT on this platform")
+    monkeypatch.setattr(blobs, "DIRECT_IO", True)
+    monkeypatch.setattr(blobs.os, "open", no_direct)
+    b = BlobStore(str(tmp_path / "blobs"))
+    assert not b._direct and len(tried) == 1
+    arrays = [_values(100, 7000, "r")]
+    keys = _put(b, arrays) + _put(b, arrays)
+    assert len(tried) == 1 and int(keys[1].split(":")[1]) == int(keys[0].split(":")[2])
+    monkeypatch.undo()
+    _check(b, keys, arrays + arrays)
+    assert os.listdir(tmp_path / "blobs") == ["seg-00000000.arrow"]
+
+
+def test_the_probe_leaves_no_file(tmp_path, monkeypatch):
+    _open(str(tmp_path / "blobs"), True, monkeypatch)
+    assert os.listdir(tmp_path / "blobs") == []
+
+
+# -- segments written by the code before O_DIRECT ------------------------------------------------
+def _old_serialize_chunk(values: pa.Array) -> bytes:
+    # store/blobs.py before O_DIRECT (git show efd1e4f:store/blobs.py), verbatim
+    sink = io.BytesIO()
+    batch = pa.record_batch([values], names=["v"])
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    body = sink.getvalue()
+    return zlib.crc32(body).to_bytes(4, "little") + body
+
+
+def _old_write(root: str, segment: int, size: int, chunks: list[bytes]) -> list[str]:
+    """The old append + sync: keys from the running size, one O_APPEND write, fsync."""
+    keys = []
+    for c in chunks:
+        keys.append(f"{segment}:{size}:{len(c)}")
+        size += len(c)
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(f"{root}/seg-{segment:08d}.arrow", os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                 0o644)
+    try:
+        os.write(fd, b"".join(chunks))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return keys
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_old_unpadded_segments_read_and_get_appended_to(tmp_path, monkeypatch, direct):
+    root = str(tmp_path / "blobs")
+    old_a = [_values(7, 901, "oa"), _values(3, 1203, "ob")]
+    keys_a = _old_write(root, 0, 0, [_old_serialize_chunk(a) for a in old_a])
+    old_b = [_values(11, 555, "oc")]
+    keys_b = _old_write(root, 0, os.path.getsize(f"{root}/seg-00000000.arrow"),
+                        [_old_serialize_chunk(a) for a in old_b])
+    old_size = os.path.getsize(f"{root}/seg-00000000.arrow")
+    assert old_size % ALIGN != 0
+    b = _open(root, direct, monkeypatch)
+    _check(b, keys_a + keys_b, old_a + old_b)
+    new = [_values(200, 4000, "n")]
+    keys_n = _put(b, new)
+    start = int(keys_n[0].split(":")[1])
+    assert start == (-(-old_size // ALIGN) * ALIGN if direct else old_size)
+    _check(b, keys_a + keys_b + keys_n, old_a + old_b + new)
+    _check(BlobStore(root), keys_a + keys_b + keys_n, old_a + old_b + new)
+
+
+def test_object_store_writes_the_pieces(tmp_path):
+    (tmp_path / "bucket").mkdir()
+    fs = pafs.SubTreeFileSystem(str(tmp_path / "bucket"), pafs.LocalFileSystem())
+    b = BlobStore("blobs", fs)
+    arrays = [_values(5, 900, "x"), _values(9, 700, "y")]
+    keys = _put(b, arrays, buffer=True) + _put(b, arrays)
+    (s0, o0), (s1, o1), (s2, o2), (s3, o3) = [map(int, k.split(":")[:2]) for k in keys]
+    # One immutable object per group commit, no alignment, no padding.
+    assert s0 == s1 and s2 == s3 == s0 + 1 and o0 == o2 == 0
+    assert o1 == o3 == int(keys[0].split(":")[2])
+    _check(b, keys, arrays + arrays)
+
+
+# -- kill -9 in the middle of big O_DIRECT group commits -----------------------------------------
+CHILD = textwrap.dedent("""
+    import sys
+    import store
+
+    path, run = sys.argv[1], int(sys.argv[2])
+    s = store.connect(path)
+    s.create_table("t", {"response": "string", "ids": "list<int32>"}, if_not_exists=True)
+    print("READY", flush=True)
+    i = 0
+    while True:
+        sids = [f"r{run}q{i}x{k}_0_0" for k in range(40)]
+        s.put("t", {"sample_id": sids,
+                    "response": [f"{sid}:" + "z" * (9000 + k) for k, sid in enumerate(sids)],
+                    "ids": [list(range(i % 50, i % 50 + 1500)) for _ in sids]})
+        print("W " + ",".join(sids), flush=True)
+        i += 1
+""")
+
+
+def _expected(sid: str) -> tuple[str, list[int]]:
+    i = int(sid.split("q", 1)[1].split("x", 1)[0])
+    k = int(sid.split("x", 1)[1].split("_", 1)[0])
+    return f"{sid}:" + "z" * (9000 + k), list(range(i % 50, i % 50 + 1500))
+
+
+def _run_and_kill(path: str, run: int, kill_after: int, direct: bool) -> set[str]:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               EXPSTORE_BLOB_DIRECT_IO="1" if direct else "0")
+    child = subprocess.Popen([sys.executable, "-c", CHILD, path, str(run)], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    written: set[str] = set()
+    lines = 0
+    deadline = time.monotonic() + 60
+    try:
+        while lines < kill_after:
+            assert time.monotonic() < deadline, f"only {lines} lines from the child in 60 s"
+            ready, _, _ = select.select([child.stdout], [], [], 1.0)
+            if not ready:
+                continue
+            line = child.stdout.readline()
+            assert line, f"the child exited early: {child.stderr.read()[-2000:]}"
+            kind, _, rest = line.strip().partition(" ")
+            if kind == "W":
+                written.update(rest.split(","))
+            lines += 1
+        # Kill at a random moment, often in the middle of the next write.
+        time.sleep(random.random() * 0.05)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+        child.stdout.close()
+        child.stderr.close()
+    assert child.returncode == -signal.SIGKILL
+    return written
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_kill9_during_big_blob_writes_loses_nothing_acknowledged(tmp_path, monkeypatch, direct):
+    monkeypatch.setattr(blobs, "DIRECT_IO", True)
+    if direct and not blobs._probe_direct(str(tmp_path)):
+        pytest.skip("the filesystem of tmp_path refuses O_DIRECT")
+    path = str(tmp_path / "crash.duckdb")
+    rng = random.Random(7)
+    all_written: set[str] = set()
+    for run in range(3):
+        all_written |= _run_and_kill(path, run, rng.randint(3, 12), direct)
+        with store.connect(path) as s:
+            rows = s.query("SELECT * FROM t").to_pylist()
+            by_id = {r["sample_id"]: r for r in rows}
+            missing = all_written - set(by_id)
+            assert not missing, f"acknowledged writes lost after kill -9: {sorted(missing)[:3]}"
+            for sid in all_written:
+                assert (by_id[sid]["response"], by_id[sid]["ids"]) == _expected(sid), sid
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_a_torn_tail_is_skipped_after_reopen(tmp_path, monkeypatch, direct):
+    """A crash in the middle of a write leaves bytes no key points to; the next writer starts
+    after them (aligned with O_DIRECT) and both old and new keys read."""
+    root = str(tmp_path / "blobs")
+    b = _open(root, direct, monkeypatch)
+    first = [_values(100, 7000, "f")]
+    keys = _put(b, first)
+    path = b._path(b._segment)
+    with open(path, "ab") as f:
+        f.write(serialize_chunk(_values(100, 7000, "torn"))[:12345])
+    torn_end = os.path.getsize(path)
+    b = _open(root, direct, monkeypatch)
+    new = [_values(100, 7000, "n")]
+    keys2 = _put(b, new)
+    start = int(keys2[0].split(":")[1])
+    assert start >= torn_end and (start % ALIGN == 0 if direct else start == torn_end)
+    _check(b, keys + keys2, first + new)
