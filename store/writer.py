@@ -46,6 +46,9 @@ LEASE_FLUSH_DELAY = 0.25
 # Up to this many keys are looked up one by one through the primary key's index (~0.3 ms each);
 # more are joined against the table (a scan, ~1.3 ms and growing with the table).
 POINT_LOOKUP_KEYS = 4
+# Up to this many new rows are inserted with one parametrised INSERT … VALUES (~1.1 ms for one
+# row against ~2.3 ms for register + INSERT … SELECT + unregister; +0.25 ms a row, +0.02 there).
+VALUES_INSERT_ROWS = 4
 
 
 @dataclass
@@ -421,23 +424,32 @@ class Writer:
         tdef = live.tdef
         if is_new.any():
             new_rows = physical.filter(pa.array(is_new))
-            cols = ["row_id", "sample_id", "input_id", "turn", "trajectory_id", "policy_version"]
-            exprs = [f"b.{quote(c)}" for c in cols]
-            cols += ["finished_version", "created_at", "updated_at"]
-            exprs += [f"coalesce(b.finished_version, {int(current)})", "now()", "now()"]
+            # (column, SQL expression of the value written, with {} for the batch's column)
+            values: list[tuple[str, str, str | None]] = [
+                (c, "{}", c) for c in ("row_id", "sample_id", "input_id", "turn",
+                                       "trajectory_id", "policy_version")]
+            values += [("finished_version", f"coalesce({{}}, {int(current)})", "finished_version"),
+                       ("created_at", "now()", None), ("updated_at", "now()", None)]
             for c in data_cols:
-                cols.append(c)
-                exprs.append(f"b.{quote(c)}")
+                values.append((c, "{}", c))
                 ref = tdef.column(c).ref
                 if ref:
-                    cols.append(ref)
-                    exprs.append(f"b.{quote(ref)}")
+                    values.append((ref, "{}", ref))
             for s in status_cols:
-                cols.append(s)
-                exprs.append(f"coalesce(b.{quote(s)}, false)")
-            with registered(con, "_expstore_new", new_rows):
-                con.execute(f"INSERT INTO {quote(tname)} ({', '.join(map(quote, cols))}) "
-                            f"SELECT {', '.join(exprs)} FROM _expstore_new AS b")
+                values.append((s, "coalesce({}, false)", s))
+            into = f"INSERT INTO {quote(tname)} ({', '.join(quote(c) for c, _, _ in values)}) "
+            sources = [src for _, _, src in values if src is not None]
+            if new_rows.num_rows <= VALUES_INSERT_ROWS and _bindable(new_rows, sources):
+                # A few rows: one parametrised INSERT … VALUES costs half of register +
+                # INSERT … SELECT + unregister; the same expressions, with parameters.
+                one = "(" + ", ".join(e.format("?") for _, e, _ in values) + ")"
+                by_col = [new_rows.column(src).to_pylist() for src in sources]
+                params = [col[r] for r in range(new_rows.num_rows) for col in by_col]
+                con.execute(into + "VALUES " + ", ".join([one] * new_rows.num_rows), params)
+            else:
+                exprs = [e.format(f"b.{quote(src)}") if src else e for _, e, src in values]
+                with registered(con, "_expstore_new", new_rows):
+                    con.execute(into + f"SELECT {', '.join(exprs)} FROM _expstore_new AS b")
         if (~is_new).any():
             old_rows = physical.filter(pa.array(~is_new))
             sets = [f"finished_version = coalesce(b.finished_version, {int(current)})",
@@ -686,6 +698,17 @@ def _bumps_apart(ops: list[Op]) -> list[list[Op]]:
         else:
             parts[-1].append(op)
     return [p for p in parts if p] or [[]]
+
+
+def _bindable(table: pa.Table, names: list[str]) -> bool:
+    """Whether these columns go through Python values to DuckDB parameters unchanged."""
+    return all(_bindable_type(table.schema.field(n).type) for n in names)
+
+
+def _bindable_type(t: pa.DataType) -> bool:
+    return (pa.types.is_boolean(t) or pa.types.is_integer(t) or pa.types.is_float32(t)
+            or pa.types.is_float64(t) or pa.types.is_large_string(t)
+            or pa.types.is_string(t))
 
 
 def _check_updated(result: list[tuple], expected: int, table: str) -> None:

@@ -150,3 +150,40 @@ def test_an_update_that_misses_its_row_fails_the_write(open_store):
         s.put("t", [_full("ghost_0_0")])
     s.put("t", [_full("b_0_0")])                               # the store goes on
     assert _state(s)["ready"] == 2
+
+
+# -- INSERT … VALUES for a few new rows -------------------------------------------------------------
+
+TYPES = {"b": "bool", "i8": "int8", "i32": "int32", "u64": "uint64", "f32": "float32",
+         "f64": "float64", "s": "string", "bin": "binary", "ts": "timestamp", "ids": "list<int32>"}
+
+
+def _typed_rows(k):
+    rows = []
+    for i in range(k):
+        rows.append({"sample_id": f"in{i}_{i}_{i % 3}", "b": [True, False, None][i % 3],
+                     "i8": [-128, 127, None, 0][i % 4], "i32": [2**31 - 1, -(2**31), None][i % 3],
+                     "u64": [2**64 - 1, 0, None][i % 3],
+                     "f32": [1.1, float("nan"), -0.0, None, 3.4e38][i % 5],
+                     "f64": [0.1, float("inf"), None, -1e-300][i % 4],
+                     "s": ["ü\x00x", "", None, "x" * 600][i % 4],
+                     "bin": [b"\x00\xff", None][i % 2], "ts": None,
+                     "ids": [[1, 2], None, []][i % 3]})
+    return rows
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 5, 17])
+@pytest.mark.parametrize("drop", [(), ("ids", "bin", "ts"), ("ids", "bin", "ts", "s", "b")])
+def test_values_insert_matches_the_arrow_insert(open_store, tmp_path, monkeypatch, k, drop):
+    rows = [{c: v for c, v in r.items() if c not in drop} for r in _typed_rows(k)]
+    columns = {c: t for c, t in TYPES.items() if c not in drop}
+    snapshots = []
+    for limit in (store.writer.VALUES_INSERT_ROWS, 0):
+        monkeypatch.setattr(store.writer, "VALUES_INSERT_ROWS", limit)
+        s = open_store(str(tmp_path / f"v{limit}.duckdb"))
+        s.create_table("t", columns, required=["b"] if "b" in columns else None)
+        s.put("t", rows)
+        s.put("t", rows[: k // 2] + [{"sample_id": "more_0_0", "f64": 2.0}])  # update + insert
+        s.put("t", [{"sample_id": "st_0_0", "f64_status": False}])          # a status only
+        snapshots.append((s.query(SNAPSHOT).to_pylist(), _state(s)))
+    assert repr(snapshots[0]) == repr(snapshots[1])                 # repr: NaN == NaN
