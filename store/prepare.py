@@ -7,6 +7,7 @@ one INSERT and one UPDATE per group of puts.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -22,6 +23,11 @@ from .types import is_complex, is_tensor, type_name
 
 SAMPLE_ID_PATTERN = r"^(?P<input_id>.+)_(?P<turn>[0-9]{1,9})_(?P<trajectory_id>[0-9]{1,9})$"
 MAX_SAMPLE_ID = 512
+# The same pattern for Python's re (fullmatch: no "$" before a final newline; ids with a newline
+# are left to the general path anyway).
+_SAMPLE_ID = re.compile(r"(.+)_([0-9]{1,9})_([0-9]{1,9})")
+#: Batches of at most this many rows take the fast path (Python lists, no compute kernels).
+SMALL_ROWS = 16
 
 
 @dataclass
@@ -126,6 +132,14 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
     if table.num_rows == 0:
         raise InvalidArgument("the batch has no rows")
 
+    if table.num_rows <= SMALL_ROWS:
+        try:
+            fast = _prepare_small(tdef, table, names, current_version, ref_threshold)
+        except Exception:  # noqa: BLE001 - the general path below gives the answer, or the error
+            fast = None
+        if fast is not None:
+            return fast
+
     sid = _as_type(table, "sample_id", pa.large_string())
     if sid.null_count:
         raise InvalidArgument("sample_id is null in some rows; every row needs one")
@@ -192,6 +206,100 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
     physical = pa.table(columns)
     return PreparedPut(tdef.name, physical, keys, data_columns, status_columns, chunks,
                        set_mask, clear_mask, "policy_version" in names, nbytes)
+
+
+def _prepare_small(tdef: TableDef, table: pa.Table, names: list[str], current_version: int,
+                   ref_threshold: int) -> PreparedPut | None:
+    """:func:`prepare_put` for a few rows without compute kernels (a one-row put: ~0.1 ms
+    instead of ~0.6 ms). Gives exactly the general path's result, or None where that path must
+    decide (any unusual input, and every error: the general path raises it)."""
+    n = table.num_rows
+    sid = _as_type(table, "sample_id", pa.large_string())
+    if sid.null_count:
+        return None
+    sids = sid.to_pylist()
+    inputs: list[str] = []
+    turns: list[int] = []
+    trajs: list[int] = []
+    for text in sids:
+        m = _SAMPLE_ID.fullmatch(text)
+        if m is None or len(text) > MAX_SAMPLE_ID or "\n" in text:
+            return None
+        inputs.append(m.group(1))
+        turns.append(int(m.group(2)))
+        trajs.append(int(m.group(3)))
+    if "policy_version" in names:
+        versions = _as_type(table, "policy_version", pa.int64())
+        if versions.null_count:
+            return None
+        version_list = versions.to_pylist()
+    else:
+        versions = pa.array(np.full(n, current_version, np.int64))
+        version_list = [current_version] * n
+    finished = (_as_type(table, "finished_version", pa.int64()) if "finished_version" in names
+                else pa.nulls(n, pa.int64()))
+    keys = list(zip(sids, version_list))
+    if len(set(keys)) != n:
+        return None
+    columns: dict[str, pa.Array] = {
+        "sample_id": sid,
+        "input_id": pa.array(inputs, pa.large_string()),
+        "turn": pa.array(turns, pa.int32()),
+        "trajectory_id": pa.array(trajs, pa.int32()),
+        "policy_version": versions,
+        "finished_version": finished,
+    }
+    data_columns = [c.name for c in tdef.columns if c.name in names]
+    status_columns = [c.status for c in tdef.columns if c.name in names or c.status in names]
+    chunks: dict[str, bytes] = {}
+    set_mask = np.zeros(n, np.int64)
+    clear_mask = np.zeros(n, np.int64)
+    nbytes = 0
+    for bit, col in enumerate(tdef.columns):
+        written: list[bool] | None = None
+        if col.name in names:
+            values = _as_type(table, col.name, col.type)
+            if values.null_count == 0:
+                written = [True] * n
+            elif values.null_count == n:
+                written = [False] * n
+            else:
+                written = pc.is_valid(values).to_pylist()
+            nbytes += values.nbytes
+            if col.ref is None or (col.storage == "auto" and _at_most(values, ref_threshold)):
+                inline, ref_index, chunk = values, pa.nulls(n, pa.int64()), None
+            else:
+                inline, ref_index, chunk = _split(col.name, values, col.storage, ref_threshold)
+            columns[col.name] = inline
+            if col.ref:
+                columns[col.ref] = ref_index
+                if chunk is not None:
+                    chunks[col.name] = chunk
+            columns[f"{col.name}__w"] = pa.array(written, pa.bool_())
+        if col.status in names or written is not None:
+            explicit = (_as_type(table, col.status, pa.bool_()).to_pylist() if col.status in names
+                        else [None] * n)
+            implied = [True if w else None for w in written] if written is not None else explicit
+            effective = [e if e is not None else i for e, i in zip(explicit, implied)]
+            columns[col.status] = pa.array(effective, pa.bool_())
+            bit_value = 1 << bit
+            for i, e in enumerate(effective):
+                if e is True:
+                    set_mask[i] |= bit_value
+                elif e is False:
+                    clear_mask[i] |= bit_value
+    physical = pa.table(columns)
+    return PreparedPut(tdef.name, physical, keys, data_columns, status_columns, chunks,
+                       set_mask, clear_mask, "policy_version" in names, nbytes)
+
+
+def _at_most(values: pa.Array, threshold: int) -> bool:
+    """Whether no string or bytes value can be over ``threshold`` bytes (their data buffer, which
+    holds them all, is not); False where unsure."""
+    if not (pa.types.is_large_string(values.type) or pa.types.is_large_binary(values.type)):
+        return False
+    data = values.buffers()[2]
+    return data is None or data.size <= threshold
 
 
 def _merge_duplicates(table: pa.Table, keys: list[tuple[str, int]]) -> pa.Table:

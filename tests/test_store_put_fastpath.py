@@ -187,3 +187,118 @@ def test_values_insert_matches_the_arrow_insert(open_store, tmp_path, monkeypatc
         s.put("t", [{"sample_id": "st_0_0", "f64_status": False}])          # a status only
         snapshots.append((s.query(SNAPSHOT).to_pylist(), _state(s)))
     assert repr(snapshots[0]) == repr(snapshots[1])                 # repr: NaN == NaN
+
+
+# -- prepare_put: the small-batch fast path against the general path ---------------------------------
+
+import numpy as np  # noqa: E402
+
+import store.prepare as prepare  # noqa: E402
+from store.schema import TableDef  # noqa: E402
+
+PREP_COLUMNS = {"prompt": "string", "reward": "float64", "done": "bool", "n": "int32",
+                "blob": "binary", "ids": "list<int32>", "emb": "tensor<float32>",
+                "note": "string", "when": "timestamp"}
+TDEF = TableDef.build("t", PREP_COLUMNS, storage={"note": "ref", "prompt": "auto",
+                                                  "ids": "value"})
+
+
+def _run(data, fast, version=3, threshold=64):
+    limit = prepare.SMALL_ROWS if fast else 0
+    old, prepare.SMALL_ROWS = prepare.SMALL_ROWS, limit
+    try:
+        return prepare.prepare_put(TDEF, data, version, threshold), None
+    except Exception as e:  # noqa: BLE001 - compared below
+        return None, (type(e), str(e))
+    finally:
+        prepare.SMALL_ROWS = old
+
+
+def _same(a, b):
+    assert a.table == b.table
+    assert a.physical.schema == b.physical.schema
+    assert a.physical.equals(b.physical)
+    assert a.keys == b.keys
+    assert (a.data_columns, a.status_columns) == (b.data_columns, b.status_columns)
+    assert a.chunks == b.chunks
+    assert np.array_equal(a.set_mask, b.set_mask) and a.set_mask.dtype == b.set_mask.dtype
+    assert np.array_equal(a.clear_mask, b.clear_mask) and a.clear_mask.dtype == b.clear_mask.dtype
+    assert (a.versions_given, a.nbytes, a.rows) == (b.versions_given, b.nbytes, b.rows)
+
+
+def _shapes():
+    long_text = "y" * 100
+    yield "one row", [{"sample_id": "q_0_0", "prompt": "p", "reward": 1.0}]
+    yield "statuses", [{"sample_id": "q_0_0", "prompt_status": False, "reward_status": True},
+                       {"sample_id": "q_0_1", "prompt": "x", "prompt_status": False},
+                       {"sample_id": "q_0_2", "prompt": None, "prompt_status": None}]
+    yield "nulls", {"sample_id": ["a_0_0", "b_1_2", "c_3_4"], "reward": [None, 1.0, None],
+                    "done": [None, None, None], "n": [1, None, 3]}
+    yield "versions", {"sample_id": ["a_0_0", "a_0_0"], "policy_version": [2, 3],
+                       "finished_version": [None, 5], "reward": [1.0, 2.0]}
+    yield "null version", {"sample_id": ["a_0_0", "b_0_0"], "policy_version": [None, 2]}
+    yield "int32 versions", pa.table({"sample_id": ["a_0_0"],
+                                      "policy_version": pa.array([1], pa.int32())})
+    yield "everything", [{"sample_id": f"g{i}_{i}_{i % 3}", "prompt": "p" * (i * 10),
+                          "reward": i / 3, "done": bool(i % 2), "n": i, "blob": b"\x00" * i,
+                          "ids": list(range(i)), "emb": np.ones((i, 2), np.float32),
+                          "note": None if i % 3 == 0 else f"n{i}", "when": None,
+                          "note_status": None if i % 2 else False}
+                         for i in range(16)]
+    yield "17 rows", [{"sample_id": f"g{i}_0_0", "reward": float(i)} for i in range(17)]
+    yield "by reference", [{"sample_id": "a_0_0", "prompt": long_text, "note": "short"},
+                           {"sample_id": "b_0_0", "prompt": "short", "note": None}]
+    yield "small but many bytes", [{"sample_id": f"a_0_{i}", "prompt": "z" * 40} for i in range(3)]
+    chunked = pa.Table.from_batches([
+        pa.record_batch({"sample_id": ["a_0_0"], "prompt": ["x"]}),
+        pa.record_batch({"sample_id": ["a_0_1"], "prompt": [long_text]})])
+    yield "chunked", chunked
+    yield "sliced", pa.table({"sample_id": ["a_0_0", "b_0_0", "c_0_0"],
+                              "prompt": ["x" * 200, "y", "z"]}).slice(1, 2)
+    yield "string types", pa.table({"sample_id": pa.array(["a_0_0"], pa.string()),
+                                    "prompt": pa.array(["p"], pa.string()),
+                                    "blob": pa.array([b"b"], pa.binary())})
+    yield "unicode", [{"sample_id": "ü_é_1_2", "prompt": "ü"}, {"sample_id": "日本_3_4"}]
+    yield "underscores", [{"sample_id": "a_1_2_3"}, {"sample_id": "__x__12_999999999_0"}]
+    # duplicates: merged by the general path
+    yield "duplicates", [{"sample_id": "a_0_0", "prompt": "p"},
+                         {"sample_id": "a_0_0", "reward": 1.0},
+                         {"sample_id": "a_0_0", "prompt": None, "reward": 2.0}]
+    # errors
+    for bad in ["q1", "q_x_0", "_0_0", "q_0_1234567890", "q_٣_0", "q_0_0\n", "q\n_0_0",
+                "x" * 600 + "_0_0", "q_0_0 ", "q__0", ""]:
+        yield f"bad id {bad[:10]!r}", [{"sample_id": "ok_0_0"}, {"sample_id": bad}]
+    yield "null id", {"sample_id": ["a_0_0", None]}
+    yield "int ids", pa.table({"sample_id": pa.array([1], pa.int64())})
+    yield "no rows", pa.table({"sample_id": pa.array([], pa.string())})
+    yield "no id", [{"prompt": "p"}]
+    yield "unknown column", [{"sample_id": "a_0_0", "nope": 1}]
+    yield "meta column", [{"sample_id": "a_0_0", "consumed": True}]
+    yield "bad type", pa.table({"sample_id": ["a_0_0"], "reward": ["x"]})
+    yield "bad status type", pa.table({"sample_id": ["a_0_0"], "reward_status": ["x"]})
+    yield "lossy cast", pa.table({"sample_id": ["a_0_0"], "n": pa.array([2**40], pa.int64())})
+    yield "bad version", pa.table({"sample_id": ["a_0_0"], "policy_version": ["v"]})
+    yield "repeated column", pa.table([pa.array(["a_0_0"]), pa.array(["b_0_0"])],
+                                      names=["sample_id", "sample_id"])
+    yield "not rows", ["a_0_0"]
+    yield "mixed", [{"sample_id": "a_0_0", "reward": "high"}]
+
+
+@pytest.mark.parametrize("label, data", list(_shapes()), ids=[lbl for lbl, _ in _shapes()])
+def test_prepare_fast_path_matches_the_general_path(label, data):
+    fast, fast_error = _run(data, fast=True)
+    slow, slow_error = _run(data, fast=False)
+    assert fast_error == slow_error
+    if slow is not None:
+        _same(fast, slow)
+        table = prepare.to_arrow_table(TDEF, data)
+        if table.num_rows <= prepare.SMALL_ROWS:
+            taken = prepare._prepare_small(TDEF, table, table.column_names, 3, 64) is not None
+            assert taken == (label not in ("null version", "duplicates"))
+
+
+def test_prepare_fast_path_is_taken(monkeypatch):
+    calls = []
+    monkeypatch.setattr(prepare, "_split", lambda *a: calls.append(a))
+    p = prepare.prepare_put(TDEF, [{"sample_id": "a_0_0", "prompt": "x", "reward": 1.0}], 0, 64)
+    assert p.rows == 1 and not calls                     # no compute kernels, no _split
