@@ -504,16 +504,27 @@ class Writer:
             live.next_row_id = max(live.next_row_id, next_id)
             required = live.required_mask
             rows = live.rows
+            rows_get = rows.get
+            add_ready = live.add_ready
             for i, key in enumerate(keys):
                 rid = ids_list[i]
-                if rid in terminal:
+                if terminal and rid in terminal:
                     continue
-                row = rows.get(key)
+                row = rows_get(key)
                 if row is None:
                     if not new_list[i]:
                         continue  # consumed or gone since: nothing live to update
-                    row = Row(rid, key[0], key[1], input_ids[i], turns[i], trajs[i])
+                    # A new row (the bulk case): its mask is what this write set.
+                    mask = sets[i]
+                    row = Row(rid, key[0], key[1], input_ids[i], turns[i], trajs[i], mask)
                     rows[key] = row
+                    if payload is not None and complete[i]:
+                        row.payload = (payload, i)
+                    if mask & required == required:
+                        add_ready(row)
+                        if row.payload is None:
+                            txn.need_payload.append((live, row))
+                    continue
                 row.mask = (row.mask & ~clears[i]) | sets[i]
                 row.payload = (payload, i) if payload is not None and complete[i] else None
                 if row.state == LEASED:
