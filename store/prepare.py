@@ -350,6 +350,11 @@ def _split(name: str, values: pa.Array, storage: str,
     count = int(big_np.sum())
     if count == 0:
         return values, null_index, None
+    if count == n:
+        # Every row by reference (wide rows): serialise the values as they are, no copy by
+        # ``take`` (~1 ms/MB) and no if_else over them to null them inline.
+        index = np.arange(n, dtype=np.int64)
+        return pa.nulls(n, values.type), pa.array(index, mask=index < 0), serialize_chunk(values)
     positions = np.nonzero(big_np)[0]
     chunk = serialize_chunk(values.take(pa.array(positions, pa.int64())))
     index = np.full(n, -1, np.int64)

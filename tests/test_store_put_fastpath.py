@@ -302,3 +302,44 @@ def test_prepare_fast_path_is_taken(monkeypatch):
     monkeypatch.setattr(prepare, "_split", lambda *a: calls.append(a))
     p = prepare.prepare_put(TDEF, [{"sample_id": "a_0_0", "prompt": "x", "reward": 1.0}], 0, 64)
     assert p.rows == 1 and not calls                     # no compute kernels, no _split
+
+
+# -- wide rows: every value by reference ----------------------------------------------------------
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_split_of_all_big_values_matches_the_take_path(sliced):
+    from store.blobs import serialize_chunk
+    values = pa.array([["x" * 50] * 3, ["y" * 70], ["z"] * 40, ["w"] * 90], pa.large_list(
+        pa.large_string()))
+    if sliced:
+        values = values.slice(1, 3)
+    inline, ref_index, chunk = prepare._split("c", values, "auto", 4)
+    n = len(values)
+    assert inline.type == values.type and inline.null_count == n
+    assert ref_index.equals(pa.array(np.arange(n, dtype=np.int64)))
+    assert chunk == serialize_chunk(values.take(pa.array(np.arange(n), pa.int64())))
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_wide_rows_round_trip(open_store, sliced):
+    s = open_store()
+    s.create_table("w", {"text": "string", "ids": "list<int32>"})
+    n = 40
+    table = pa.table({
+        "sample_id": [f"w{i}_0_{i % 8}" for i in range(n)],
+        "text": [chr(65 + i % 26) * (3000 + i) for i in range(n)],
+        "ids": [list(range(i, i + 500)) for i in range(n)],
+    })
+    if sliced:
+        table = table.slice(5, 30)
+    s.put("w", table)
+    got = s.claim("w", 100).data
+    want = {sid: (t, ids) for sid, t, ids in zip(table.column("sample_id").to_pylist(),
+                                                 table.column("text").to_pylist(),
+                                                 table.column("ids").to_pylist())}
+    assert len(got) == len(want)
+    for sid, t, ids in zip(got.column("sample_id").to_pylist(), got.column("text").to_pylist(),
+                           got.column("ids").to_pylist()):
+        assert want[sid] == (t, ids)
+    refs = s.query("SELECT count(text__ref) AS t, count(ids__ref) AS i FROM w").to_pylist()
+    assert refs == [{"t": len(want), "i": len(want)}]            # all stored by reference
