@@ -425,29 +425,30 @@ class Writer:
         if is_new.any():
             new_rows = physical.filter(pa.array(is_new))
             # (column, SQL expression of the value written, with {} for the batch's column)
-            values: list[tuple[str, str, str | None]] = [
+            inserted: list[tuple[str, str, str | None]] = [
                 (c, "{}", c) for c in ("row_id", "sample_id", "input_id", "turn",
                                        "trajectory_id", "policy_version")]
-            values += [("finished_version", f"coalesce({{}}, {int(current)})", "finished_version"),
-                       ("created_at", "now()", None), ("updated_at", "now()", None)]
+            inserted += [
+                ("finished_version", f"coalesce({{}}, {int(current)})", "finished_version"),
+                ("created_at", "now()", None), ("updated_at", "now()", None)]
             for c in data_cols:
-                values.append((c, "{}", c))
+                inserted.append((c, "{}", c))
                 ref = tdef.column(c).ref
                 if ref:
-                    values.append((ref, "{}", ref))
+                    inserted.append((ref, "{}", ref))
             for s in status_cols:
-                values.append((s, "coalesce({}, false)", s))
-            into = f"INSERT INTO {quote(tname)} ({', '.join(quote(c) for c, _, _ in values)}) "
-            sources = [src for _, _, src in values if src is not None]
+                inserted.append((s, "coalesce({}, false)", s))
+            into = f"INSERT INTO {quote(tname)} ({', '.join(quote(c) for c, _, _ in inserted)}) "
+            sources = [src for _, _, src in inserted if src is not None]
             if new_rows.num_rows <= VALUES_INSERT_ROWS and _bindable(new_rows, sources):
                 # A few rows: one parametrised INSERT … VALUES costs half of register +
                 # INSERT … SELECT + unregister; the same expressions, with parameters.
-                one = "(" + ", ".join(e.format("?") for _, e, _ in values) + ")"
+                one = "(" + ", ".join(e.format("?") for _, e, _ in inserted) + ")"
                 by_col = [new_rows.column(src).to_pylist() for src in sources]
                 params = [col[r] for r in range(new_rows.num_rows) for col in by_col]
                 con.execute(into + "VALUES " + ", ".join([one] * new_rows.num_rows), params)
             else:
-                exprs = [e.format(f"b.{quote(src)}") if src else e for _, e, src in values]
+                exprs = [e.format(f"b.{quote(src)}") if src else e for _, e, src in inserted]
                 with registered(con, "_expstore_new", new_rows):
                     con.execute(into + f"SELECT {', '.join(exprs)} FROM _expstore_new AS b")
         if (~is_new).any():

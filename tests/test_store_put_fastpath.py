@@ -152,7 +152,7 @@ def test_an_update_that_misses_its_row_fails_the_write(open_store):
     assert _state(s)["ready"] == 2
 
 
-# -- INSERT … VALUES for a few new rows -------------------------------------------------------------
+# -- INSERT … VALUES for a few new rows ---------------------------------------------------
 
 TYPES = {"b": "bool", "i8": "int8", "i32": "int32", "u64": "uint64", "f32": "float32",
          "f64": "float64", "s": "string", "bin": "binary", "ts": "timestamp", "ids": "list<int32>"}
@@ -189,7 +189,7 @@ def test_values_insert_matches_the_arrow_insert(open_store, tmp_path, monkeypatc
     assert repr(snapshots[0]) == repr(snapshots[1])                 # repr: NaN == NaN
 
 
-# -- prepare_put: the small-batch fast path against the general path ---------------------------------
+# -- prepare_put: the small-batch fast path against the general path -----------------------
 
 import numpy as np  # noqa: E402
 
