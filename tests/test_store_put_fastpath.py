@@ -180,11 +180,18 @@ def test_values_insert_matches_the_arrow_insert(open_store, tmp_path, monkeypatc
     snapshots = []
     for limit in (store.writer.VALUES_INSERT_ROWS, 0):
         monkeypatch.setattr(store.writer, "VALUES_INSERT_ROWS", limit)
+        monkeypatch.setattr(store.writer, "VALUES_UPDATE_ROWS", limit)
         s = open_store(str(tmp_path / f"v{limit}.duckdb"))
         s.create_table("t", columns, required=["b"] if "b" in columns else None)
         s.put("t", rows)
         s.put("t", rows[: k // 2] + [{"sample_id": "more_0_0", "f64": 2.0}])  # update + insert
         s.put("t", [{"sample_id": "st_0_0", "f64_status": False}])          # a status only
+        for r in rows[:3]:                                       # one-row partial updates
+            s.put("t", [{c: v for c, v in r.items() if c in ("sample_id", "s", "f32", "u64")}])
+            s.put("t", [{"sample_id": r["sample_id"], "i8": None, "i8_status": True}])
+            s.put("t", [{"sample_id": r["sample_id"], "f64": 5.5, "f64_status": False}])
+        s.put("t", [{"sample_id": "st_0_0", "f64": None}, {"sample_id": "more_0_0", "f64": 3.0},
+                    {"sample_id": rows[0]["sample_id"], "finished_version": 9}])
         snapshots.append((s.query(SNAPSHOT).to_pylist(), _state(s)))
     assert repr(snapshots[0]) == repr(snapshots[1])                 # repr: NaN == NaN
 
