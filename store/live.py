@@ -128,14 +128,15 @@ class LiveTable:
             heapq.heappush(self._heap, gk)
             group.in_heap = True
 
-    def add_ready(self, row: Row) -> None:
-        """:meth:`make_ready` for a row just created (pending, not leased): the bulk put path."""
+    def add_ready(self, row: Row, key: Key) -> None:
+        """:meth:`make_ready` for a row just created (pending, not leased) under ``key``: the
+        bulk put path."""
         gk = (row.version, row.input_id)
         group = self._groups.get(gk)
         if group is None:
             group = self._groups[gk] = _Group(gk)
         row.state = READY
-        group.ready[(row.sample_id, row.version)] = row
+        group.ready[key] = row
         self.ready_count += 1
         if not group.in_heap:
             heapq.heappush(self._heap, gk)

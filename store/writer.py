@@ -93,7 +93,7 @@ class _Txn:
 
     def __init__(self) -> None:
         self.applies: list[Callable[[], None]] = []
-        self.new_rows: dict[tuple[str, tuple[str, int]], int] = {}
+        self.new_rows: dict[str, dict[tuple[str, int], int]] = {}  # table -> key -> row id
         self.next_row_id: dict[str, int] = {}
         # Rows that became ready without their values at hand (partial writes): their payload is
         # read from DuckDB once, after the commit, so claims need no read of their own.
@@ -368,7 +368,8 @@ class Writer:
         clear_mask = np.concatenate([p.clear_mask for p, _ in batch])
         n = len(keys)
         rows_get = live.rows.get
-        txn_get = txn.new_rows.get
+        txn_rows = txn.new_rows.setdefault(tname, {})
+        txn_get = txn_rows.get
         # Keys neither live nor new in this transaction may be terminal rows (consumed, stale,
         # dead: an at-least-once producer re-sending); the write then updates them instead of
         # failing on the primary key. The table's terminal index answers; without one, DuckDB.
@@ -382,7 +383,7 @@ class Writer:
             if row is not None:
                 ids[i] = row.row_id
                 continue
-            known = txn_get((tname, key))
+            known = txn_get(key)
             if known is not None:
                 ids[i] = known
                 continue
@@ -394,7 +395,7 @@ class Writer:
                     terminal.add(rid)
                     continue
             ids[i] = next_id
-            txn.new_rows[(tname, key)] = next_id
+            txn_rows[key] = next_id
             next_id += 1
             new_flags[i] = True
         row_ids = np.array(ids, np.int64)
@@ -407,7 +408,7 @@ class Writer:
                 for i in np.nonzero(is_new)[0].tolist():
                     rid = found.get(keys[i])
                     if rid is not None:
-                        txn.new_rows.pop((tname, keys[i]), None)
+                        txn_rows.pop(keys[i], None)
                         row_ids[i] = int(rid)
                         is_new[i] = False
                         terminal.add(int(rid))
@@ -415,7 +416,7 @@ class Writer:
                 next_id = txn.next_row_id.get(tname, live.next_row_id)
                 for i in np.nonzero(is_new)[0].tolist():
                     row_ids[i] = next_id
-                    txn.new_rows[(tname, keys[i])] = next_id
+                    txn_rows[keys[i]] = next_id
                     next_id += 1
         txn.next_row_id[tname] = next_id
         physical = physical.append_column("row_id", pa.array(row_ids, pa.int64()))
@@ -425,7 +426,7 @@ class Writer:
         status_cols = first.status_columns
         tdef = live.tdef
         if is_new.any():
-            new_rows = physical.filter(pa.array(is_new))
+            new_rows = physical if is_new.all() else physical.filter(pa.array(is_new))
             # (column, SQL expression of the value written, with {} for the batch's column)
             inserted: list[tuple[str, str, str | None]] = [
                 (c, "{}", c) for c in ("row_id", "sample_id", "input_id", "turn",
@@ -454,7 +455,7 @@ class Writer:
                 with registered(con, "_expstore_new", new_rows):
                     con.execute(into + f"SELECT {', '.join(exprs)} FROM _expstore_new AS b")
         if (~is_new).any():
-            old_rows = physical.filter(pa.array(~is_new))
+            old_rows = physical.filter(pa.array(~is_new)) if is_new.any() else physical
             sets = [f"finished_version = coalesce(b.finished_version, {int(current)})",
                     "updated_at = now()"]
             for c in data_cols:
@@ -538,7 +539,7 @@ class Writer:
                     if payload is not None and complete[i]:
                         row.payload = (payload, i)
                     if mask & required == required:
-                        add_ready(row)
+                        add_ready(row, key)
                         if row.payload is None:
                             txn.need_payload.append((live, row))
                     continue
