@@ -92,6 +92,8 @@ class TableDef:
     max_deliveries: int = 5
     lease_seconds: float = 60.0
     _by_name: dict[str, ColumnDef] = field(default_factory=dict, compare=False, repr=False)
+    # schemas derived from the (immutable) definition, built once: claims ask for them often
+    _schemas: dict[str, pa.Schema] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._by_name.update({c.name: c for c in self.columns})
@@ -186,11 +188,15 @@ class TableDef:
 
     def claim_schema(self) -> pa.Schema:
         """What a claim returns: :data:`CLAIM_META`, data and status columns."""
-        meta = {n: t for n, _, t in META_COLUMNS}
-        fields = [pa.field(n, meta[n]) for n in CLAIM_META]
-        fields += [pa.field(c.name, c.type) for c in self.columns]
-        fields += [pa.field(c.status, pa.bool_()) for c in self.columns]
-        return pa.schema(fields, metadata={"expstore.table": self.name})
+        schema = self._schemas.get("claim")
+        if schema is None:
+            meta = {n: t for n, _, t in META_COLUMNS}
+            fields = [pa.field(n, meta[n]) for n in CLAIM_META]
+            fields += [pa.field(c.name, c.type) for c in self.columns]
+            fields += [pa.field(c.status, pa.bool_()) for c in self.columns]
+            schema = self._schemas["claim"] = pa.schema(
+                fields, metadata={"expstore.table": self.name})
+        return schema
 
     def payload_schema(self) -> pa.Schema:
         """Claimable values as cached in memory: claim columns but ``delivery_count`` (which
