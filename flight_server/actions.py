@@ -6,7 +6,6 @@ docs/protocol.md).
 """
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -46,10 +45,10 @@ def claim_results(claim: Claim) -> list[bytes]:
               "tables": {name: t.num_rows for name, t in claim.tables.items()}}
     out = [json.dumps(header).encode()]
     for table in claim.tables.values():
-        sink = io.BytesIO()
+        sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as w:
             w.write_table(table)
-        out.append(sink.getvalue())
+        out.append(sink.getvalue().to_pybytes())
     return out
 
 
@@ -197,6 +196,14 @@ ACTIONS: dict[str, ActionSpec] = {a.name: a for a in [
     ActionSpec("checkpoint", "admin", "Fold the WAL into the database file. Body: {}",
                _checkpoint),
 ]}
+
+
+def action_results(result: Any) -> list[bytes]:
+    """A handler's answer as the results of a call: raw parts as they are, anything else as
+    one JSON document."""
+    if isinstance(result, list) and result and all(isinstance(r, bytes) for r in result):
+        return result
+    return [json.dumps(result, default=str).encode()]
 
 
 def parse_body(raw: bytes, action: str) -> dict[str, Any]:

@@ -43,6 +43,17 @@ def to_flight(error: BaseException) -> flight.FlightError:
     return kind(f"[{error.code}] {error}", extra_info=info)
 
 
+def as_store_error(error: BaseException) -> E.ExpstoreError:
+    """The store error a client is told of: bad-input exceptions from Arrow or from parsing
+    become InvalidArgument; anything else unexpected is logged and becomes "internal"."""
+    if isinstance(error, E.ExpstoreError):
+        return error
+    if isinstance(error, (pa.ArrowException, ValueError, TypeError, KeyError, RecursionError)):
+        return E.InvalidArgument(str(error))
+    log.exception("internal error", exc_info=error)
+    return E.ExpstoreError(f"internal error: {type(error).__name__}: {error}")
+
+
 @contextmanager
 def flight_errors() -> Iterator[None]:
     """Translate anything raised inside into a Flight error."""
@@ -50,13 +61,8 @@ def flight_errors() -> Iterator[None]:
         yield
     except flight.FlightError:
         raise
-    except (E.ExpstoreError, pa.ArrowException, ValueError, TypeError, KeyError) as e:
-        if isinstance(e, (pa.ArrowException, ValueError, TypeError, KeyError)) and \
-                not isinstance(e, E.ExpstoreError):
-            e = E.InvalidArgument(str(e))
-        raise to_flight(e) from None
-    except Exception as e:  # noqa: BLE001 - anything else is logged and sent as "internal"
-        raise to_flight(e) from None
+    except Exception as e:  # noqa: BLE001 - sent to the client as the matching store error
+        raise to_flight(as_store_error(e)) from None
 
 
 def from_flight(error: BaseException) -> BaseException:

@@ -70,6 +70,10 @@ class Metrics:
         finally:
             self.latency.labels(verb).observe(time.perf_counter() - start)
 
+    def observe(self, verb: str, seconds: float) -> None:
+        """Count one call of ``verb`` that took ``seconds`` (for calls answered elsewhere)."""
+        self.latency.labels(verb).observe(seconds)
+
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the HTTP endpoint (``/metrics``); returns the port it listens on."""
         self._http: Any
