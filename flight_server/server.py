@@ -7,6 +7,7 @@ Verbs (the wire contract is docs/protocol.md):
   answered with JSON metadata once durable;
 * ``do_get`` with a JSON ticket ``{"sql": …, "params"?: […], "timeout"?: s}``: read-only SQL;
 * ``do_exchange`` with ``{"subscribe": {…}}``: a micro-batch subscription (flight_server.exchange);
+  with ``{"session": {}}``: claims, acks and nacks on one stream (flight_server.session);
 * ``do_action``: the table in flight_server.actions.
 
 >>> from flight_server.server import ExpstoreFlightServer    # doctest: +SKIP
@@ -26,13 +27,14 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from store.embedded import EmbeddedStore
-from store.errors import InvalidArgument, NotFound
+from store.errors import InvalidArgument, NotFound, Unavailable
 
-from .actions import ACTIONS, parse_body
+from .actions import ACTIONS, action_results, parse_body
 from .auth import AuthMiddlewareFactory, Principal, load_tokens, principal_of
 from .errors import flight_errors, to_flight
 from .exchange import ExchangeSession, parse_subscribe
 from .metrics import Metrics
+from .session import ActionSession, is_session
 
 log = logging.getLogger("expstore.server")
 
@@ -73,6 +75,15 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         self._owns_store = not isinstance(db, EmbeddedStore)
         self.store: EmbeddedStore = db if isinstance(db, EmbeddedStore) else \
             EmbeddedStore(db, **store_options)
+        # Everything a call uses exists before the base class binds the port: it serves
+        # calls from then on, before serve() is called.
+        self.host = host
+        self.scheme = scheme
+        self.flight_sql = _flight_sql_handler(self.store)
+        self._stopping = threading.Event()
+        self._sessions: set[ActionSession] = set()
+        self._sessions_lock = threading.Lock()
+        self.metrics = Metrics(self.store)
         try:
             super().__init__(f"{scheme}://{host}:{port}", tls_certificates=tls,
                              middleware=middleware)
@@ -80,11 +91,6 @@ class ExpstoreFlightServer(flight.FlightServerBase):
             if self._owns_store:
                 self.store.close()
             raise
-        self.host = host
-        self.scheme = scheme
-        self.flight_sql = _flight_sql_handler(self.store)
-        self._stopping = threading.Event()
-        self.metrics = Metrics(self.store)
         self.metrics_port = self.metrics.serve(metrics_port, host) if metrics_port is not None \
             else None
 
@@ -200,12 +206,19 @@ class ExpstoreFlightServer(flight.FlightServerBase):
                     descriptor: flight.FlightDescriptor,
                     reader: flight.MetadataRecordBatchReader,
                     writer: flight.MetadataRecordBatchWriter) -> None:
+        command = descriptor.command \
+            if descriptor.descriptor_type == flight.DescriptorType.CMD else b""
+        if is_session(command):
+            # each request on a session is checked against its own action's role
+            self._serve_session(self._principal(context, "reader", "do_exchange"), reader,
+                                writer)
+            return
         principal = self._principal(context, "writer", "do_exchange")
         with flight_errors():
             if descriptor.descriptor_type != flight.DescriptorType.CMD:
                 raise InvalidArgument("do_exchange expects FlightDescriptor.for_command("
-                                      "'{\"subscribe\": {…}}')")
-            options = parse_subscribe(descriptor.command)
+                                      "'{\"subscribe\": {…}}') or '{\"session\": {}}'")
+            options = parse_subscribe(command)
             session = ExchangeSession(self.store, principal, options, reader, writer,
                                       self._stopping)
         try:
@@ -214,6 +227,21 @@ class ExpstoreFlightServer(flight.FlightServerBase):
             raise
         except Exception as e:  # noqa: BLE001 - a broken client stream ends the session
             log.debug("subscription ended: %s", e)
+
+    def _serve_session(self, principal: Principal, reader: flight.MetadataRecordBatchReader,
+                       writer: flight.MetadataRecordBatchWriter) -> None:
+        session = ActionSession(self.store, principal, self.metrics, reader, writer)
+        with self._sessions_lock:
+            if self._stopping.is_set():
+                raise to_flight(Unavailable("the server is shutting down"))
+            self._sessions.add(session)
+        try:
+            session.run()
+        except Exception as e:  # noqa: BLE001 - a broken client stream ends the session
+            log.debug("session ended: %s", e)
+        finally:
+            with self._sessions_lock:
+                self._sessions.discard(session)
 
     # -- actions ---------------------------------------------------------------------------------
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
@@ -237,17 +265,17 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         self._principal(context, spec.role, action.type)
         with flight_errors(), self.metrics.timed(action.type):
             body = parse_body(action.body.to_pybytes() if action.body else b"", action.type)
-            result = spec.handler(self.store, body)
-            if isinstance(result, list) and result and all(isinstance(r, bytes) for r in result):
-                out = result
-            else:
-                out = [json.dumps(result, default=str).encode()]
+            out = action_results(spec.handler(self.store, body))
         yield from out
 
     # -- lifecycle -------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop serving: open subscriptions are told to close, then in-flight calls finish."""
-        self._stopping.set()
+        with self._sessions_lock:
+            self._stopping.set()
+            sessions = list(self._sessions)
+        for session in sessions:
+            session.close()
         self.store.wake()
         super().shutdown()
 
