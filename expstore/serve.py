@@ -7,6 +7,7 @@ wait on itself), then close the store, which drains the writer and checkpoints t
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import signal
@@ -25,6 +26,19 @@ def metrics_available() -> bool:
         return importlib.util.find_spec("flight_server.metrics") is not None
     except ImportError:
         return False
+
+
+def tune_gc() -> None:
+    """Collect garbage less often in a server process.
+
+    The server's heap is mostly the long-lived index of live rows (one object per row); with
+    Python's default threshold a collection runs every 700 allocations, i.e. several times per
+    bulk put, and its older generations walk that whole index (about 5 ms of every 4,096-row
+    put, measured). Freezing what exists after start-up and a larger young generation keep the
+    collector for what it is for, cycles among short-lived objects.
+    """
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
 
 
 def ready_line(location: str, db: str) -> str:
@@ -60,6 +74,8 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
     stopper = _Stopper(server)
     # Signal handlers can only be installed on the main thread; elsewhere the caller stops us.
     on_main = threading.current_thread() is threading.main_thread()
+    if on_main:  # this process is the server's own: its collector settings are ours to set
+        tune_gc()
     previous = {sig: signal.signal(sig, stopper.on_signal) for sig in STOP_SIGNALS} \
         if on_main else {}
     try:
