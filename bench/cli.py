@@ -148,15 +148,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "results.json").write_text(json.dumps({"meta": meta, **results.to_json()},
                                                       indent=1))
     print(f"\nresults: {args.out / 'results.json'}")
+    plotted: list[Path] = []
     if not args.no_plots:
         try:
             from bench import plots
 
-            for path in plots.write_all(results, args.out):
+            plotted = plots.write_all(results, args.out)
+            for path in plotted:
                 print(f"plot:    {path}")
         except ImportError as e:
             print(f"plots skipped: matplotlib is not installed ({e})")
     if args.write_md:
-        report.write_markdown(args.write_md, results, meta)
+        # the write-up shows the plots of its own run: copied next to it, under docs/bench/
+        images = args.write_md.parent / "docs" / "bench"
+        if plotted:
+            images.mkdir(parents=True, exist_ok=True)
+        for path in plotted:
+            shutil.copyfile(path, images / path.name)
+        report.write_markdown(args.write_md, results, meta,
+                              [images / p.name for p in plotted])
         print(f"wrote the results section of {args.write_md}")
     return 1 if failed else 0

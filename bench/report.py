@@ -3,7 +3,9 @@ targets with PASS/MISS, and every figure by benchmark."""
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +102,7 @@ def print_summary(results: Results) -> None:
         print(f"\nskipped {name}: {reason}")
 
 
-def markdown(results: Results, meta: dict[str, Any]) -> str:
+def markdown(results: Results, meta: dict[str, Any], images: Sequence[str] = ()) -> str:
     """The generated results section of BENCHMARKS.md (between the markers)."""
     parts = [
         MD_BEGIN,
@@ -118,9 +120,10 @@ def markdown(results: Results, meta: dict[str, Any]) -> str:
         "",
         _md_table(["target", "measured", "bound", "status"], target_rows(results)),
         "",
-        "### All figures",
-        "",
     ]
+    if images:
+        parts += ["### Plots", "", *(f"![{Path(i).stem}]({i})" for i in images), ""]
+    parts += ["### All figures", ""]
     by_bench: dict[str, list[list[str]]] = {}
     for m in results.metrics.values():
         by_bench.setdefault(m.key.split(".")[0], []).append(
@@ -135,9 +138,11 @@ def markdown(results: Results, meta: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def write_markdown(path: Path, results: Results, meta: dict[str, Any]) -> None:
-    """Replace the section between the markers in ``path`` (appended if the markers are absent)."""
-    section = markdown(results, meta)
+def write_markdown(path: Path, results: Results, meta: dict[str, Any],
+                   images: Sequence[Path] = ()) -> None:
+    """Replace the section between the markers in ``path`` (appended if the markers are absent);
+    ``images`` (plots) are linked relative to it."""
+    section = markdown(results, meta, [os.path.relpath(i, path.parent) for i in images])
     text = path.read_text() if path.exists() else ""
     pattern = re.compile(re.escape(MD_BEGIN) + r".*?" + re.escape(MD_END) + r"\n?", re.S)
     if pattern.search(text):

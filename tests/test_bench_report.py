@@ -1,0 +1,48 @@
+"""The benchmark write-up: BENCHMARKS.md's generated section, its targets and its plots."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.context import Metric, Results
+from bench.report import MD_BEGIN, MD_END, write_markdown
+
+META = {"date": "2026-11-21 00:00 UTC", "revision": "abc1234", "command": "python -m bench",
+        "machine": "2 cores", "versions": "pyarrow 26", "load": "0.1 / 0.1 / 0.1"}
+
+
+def _results(**figures: float) -> Results:
+    results = Results()
+    for key, value in figures.items():
+        bench, name = key.split("__")
+        full = f"{bench}.{name}"
+        results.metrics[full] = Metric(full, value, "ms", name)
+    return results
+
+
+def test_the_section_is_replaced_in_place_with_targets_and_linked_plots(tmp_path):
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text(f"# Benchmarks\n\nhand-written text\n\n{MD_BEGIN}\nold figures\n{MD_END}\n"
+                  "\n## After\n")
+    plot = tmp_path / "docs" / "bench" / "latency.png"
+    results = _results(expstore_claims__claim16_p50_ms=0.6, flight_raw__call_p50_ms=0.4,
+                       expstore_claims__deliver_p50_ms=7.0)
+    write_markdown(md, results, META, [plot])
+    text = md.read_text()
+    assert "hand-written text" in text and "## After" in text and "old figures" not in text
+    assert text.count(MD_BEGIN) == text.count(MD_END) == 1
+    assert "![latency](docs/bench/latency.png)" in text
+    lines = text.splitlines()
+    claim = next(line for line in lines if line.startswith("| claim-16 p50 vs raw"))
+    assert "1.50x" in claim and "PASS" in claim  # 0.6 / 0.4 against ≤ 2x
+    deliver = next(line for line in lines if line.startswith("| put → delivered p50 |"))
+    assert "MISS" in deliver  # 7 ms against ≤ 5 ms
+    missing = next(line for line in lines if line.startswith("| wide ingest vs raw Flight"))
+    assert "pending" in missing
+
+
+def test_without_markers_the_section_is_appended(tmp_path: Path):
+    md = tmp_path / "B.md"
+    md.write_text("# B\n")
+    write_markdown(md, _results(flight_raw__call_p50_ms=0.4), META)
+    text = md.read_text()
+    assert text.startswith("# B\n") and MD_BEGIN in text and "### Plots" not in text
