@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -61,7 +61,8 @@ def is_session(command: bytes) -> bool:
     return isinstance(doc, dict) and "session" in doc
 
 
-def frame(header: dict[str, Any], parts: list[bytes] = ()) -> pa.Buffer:  # type: ignore[assignment]
+def frame(header: dict[str, Any], parts: Sequence[bytes] = ()) -> pa.Buffer:
+    """One answer message: the JSON header, a newline, the parts (their sizes in the header)."""
     if parts:
         header = {**header, "sizes": [len(p) for p in parts]}
     return pa.py_buffer(b"".join([json.dumps(header, default=str).encode(), b"\n", *parts]))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import importlib.util
 import io
 import json
 import os
@@ -436,12 +435,6 @@ def test_migrate_to_an_unknown_revision(tmp_path):
 def test_bench_passes_its_arguments_on():
     result = ok(invoke("bench", "--list"))
     assert "flight_raw" in result.output
-
-
-@pytest.mark.skipif(importlib.util.find_spec("consumers.demo") is not None,
-                    reason="consumers.demo exists; the demo is tested with it")
-def test_demo_names_the_missing_module():
-    fails(invoke("demo"), 1, "consumers.demo")
 
 
 def test_every_command_is_documented_in_docs_cli_md():
