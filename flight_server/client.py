@@ -37,7 +37,8 @@ class RemoteStore:
         tls_root_certs: PEM bytes or a path, to trust a self-signed server certificate.
         timeout: default seconds per call (None: no limit).
         sessions: send claims, acks and nacks on one long-lived ``do_exchange`` session (a
-            fraction of a ``do_action`` call's cost); False: one ``do_action`` call each.
+            fraction of a ``do_action`` call's cost); False: one ``do_action`` call each (what
+            a server without sessions, from before they existed, needs).
     """
 
     def __init__(self, uri: str, *, token: str | None = None,
@@ -206,20 +207,15 @@ class RemoteStore:
 
     def _channel(self) -> "SessionChannel | None":
         """The open session, opened on first use and again after the last one broke (a
-        restarted server); None where the server has no sessions."""
+        restarted server); None when sessions are off."""
         with self._session_lock:
             if self._closed:
                 raise StoreClosed("this RemoteStore is closed")
-            if self._session is not None and not self._session.failed:
-                return self._session
             if not self._use_sessions:
                 return None
-            try:
+            if self._session is None or self._session.failed:
                 with self._calls():
                     self._session = SessionChannel(self._client, self._headers)
-            except InvalidArgument:  # an older server without sessions: use do_action
-                self._use_sessions = False
-                self._session = None
             return self._session
 
     # -- versions ------------------------------------------------------------------------------
