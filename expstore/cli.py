@@ -709,7 +709,21 @@ def bench(ctx: click.Context, args: tuple[str, ...]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """The ``expstore`` console script."""
-    cli.main(args=argv, prog_name="expstore")
+    try:
+        cli.main(args=argv, prog_name="expstore")
+    except SystemExit as done:
+        if "torch" in sys.modules and "duckdb_engine" in sys.modules:
+            # With both loaded (the demo: trainers plus a fresh catalog's migrations), DuckDB's
+            # nanobind module prints "leaked ..." lines during interpreter teardown, burying the
+            # command's own last lines. The command has finished and closed its store: leave
+            # without the teardown.
+            code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+            if done.code is not None and not isinstance(done.code, int):
+                print(done.code, file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        raise
 
 
 if __name__ == "__main__":

@@ -67,3 +67,23 @@ def test_interval_arithmetic() -> None:
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(SystemExit):
         demo.main(["--n", "1", "--quick"])
+
+
+def test_the_console_script_ends_with_the_summary(tmp_path) -> None:
+    """`expstore demo` as a user runs it: exit status 0 and the summary last on the terminal
+    (no teardown noise from native modules after it)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    db = str(tmp_path / "console.duckdb")
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run(
+        [sys.executable, "-c", "from expstore.cli import main; main()", "demo", "--db", db,
+         "--quick"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "expstore query --db" in done.stdout.strip().splitlines()[-1]
+    assert "leaked" not in done.stderr, done.stderr[-2000:]
