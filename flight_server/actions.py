@@ -27,7 +27,7 @@ class ActionSpec:
     handler: Handler
 
 
-def _fields(body: dict[str, Any], action: str, required: tuple[str, ...],
+def check_fields(body: dict[str, Any], action: str, required: tuple[str, ...],
             optional: tuple[str, ...] = ()) -> dict[str, Any]:
     missing = [f for f in required if f not in body]
     if missing:
@@ -53,7 +53,7 @@ def claim_results(claim: Claim) -> list[bytes]:
 
 
 def _create_table(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    _fields(b, "create_table", ("name", "columns"),
+    check_fields(b, "create_table", ("name", "columns"),
             ("if_not_exists", "max_staleness", "version_group", "max_deliveries",
              "lease_seconds", "storage", "required"))
     name, columns = b.pop("name"), b.pop("columns")
@@ -62,7 +62,7 @@ def _create_table(s: EmbeddedStore, b: dict[str, Any]) -> Any:
 
 
 def _drop_table(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    _fields(b, "drop_table", ("name",), ("if_exists",))
+    check_fields(b, "drop_table", ("name",), ("if_exists",))
     return {"dropped": s.drop_table(b["name"],
                                     if_exists=_flag(b, "if_exists", "drop_table"))}
 
@@ -77,7 +77,7 @@ def _flag(b: dict[str, Any], key: str, action: str) -> bool:
 
 
 def _claim(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    _fields(b, "claim", ("table", "limit"),
+    check_fields(b, "claim", ("table", "limit"),
             ("where", "group_by", "group_size", "consumer", "lease_seconds", "min_rows"))
     consumer, lease = b.pop("consumer", None), b.pop("lease_seconds", None)
     request = ClaimRequest.from_json(b)
@@ -85,7 +85,7 @@ def _claim(s: EmbeddedStore, b: dict[str, Any]) -> Any:
 
 
 def _claim_many(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    _fields(b, "claim_many", ("requests",), ("consumer", "lease_seconds"))
+    check_fields(b, "claim_many", ("requests",), ("consumer", "lease_seconds"))
     if not isinstance(b["requests"], list):
         raise InvalidArgument("claim_many 'requests' must be a list of claim requests")
     requests = [ClaimRequest.from_json(r) for r in b["requests"]]
@@ -94,22 +94,22 @@ def _claim_many(s: EmbeddedStore, b: dict[str, Any]) -> Any:
 
 
 def _ack(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return s.ack(_fields(b, "ack", ("claim_id",))["claim_id"])
+    return s.ack(check_fields(b, "ack", ("claim_id",))["claim_id"])
 
 
 def _nack(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return s.nack(_fields(b, "nack", ("claim_id",))["claim_id"])
+    return s.nack(check_fields(b, "nack", ("claim_id",))["claim_id"])
 
 
 def _bump(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    _fields(b, "bump_version", ("table",), ("expected", "weights_uri"))
+    check_fields(b, "bump_version", ("table",), ("expected", "weights_uri"))
     version = s.bump_version(b["table"], expected=b.get("expected"),
                              weights_uri=b.get("weights_uri"))
     return {"table": b["table"], "version": version, "weights_uri": b.get("weights_uri")}
 
 
 def _get_version(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    _fields(b, "get_version", ("table",))
+    check_fields(b, "get_version", ("table",))
     return {"table": b["table"], "version": s.get_version(b["table"]),
             "weights_uri": s.weights_uri(b["table"])}
 
@@ -118,7 +118,7 @@ MAX_WAIT_SECONDS = 300.0
 
 
 def _wait_version(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    _fields(b, "wait_version", ("table", "min_version"), ("timeout",))
+    check_fields(b, "wait_version", ("table", "min_version"), ("timeout",))
     timeout = b.get("timeout", 30.0)
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or \
             not 0 <= timeout <= MAX_WAIT_SECONDS:
@@ -133,34 +133,34 @@ def _wait_version(s: EmbeddedStore, b: dict[str, Any]) -> Any:
 
 
 def _stats(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return s.stats(_fields(b, "stats", (), ("table",)).get("table"))
+    return s.stats(check_fields(b, "stats", (), ("table",)).get("table"))
 
 
 def _leases(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return s.leases(_fields(b, "leases", (), ("table",)).get("table"))
+    return s.leases(check_fields(b, "leases", (), ("table",)).get("table"))
 
 
 def _describe(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return s.describe(_fields(b, "describe", ("table",))["table"])
+    return s.describe(check_fields(b, "describe", ("table",))["table"])
 
 
 def _list_tables(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    _fields(b, "list_tables", ())
+    check_fields(b, "list_tables", ())
     return {"tables": s.list_tables()}
 
 
 def _health(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    _fields(b, "health", ())
+    check_fields(b, "health", ())
     return s.health()
 
 
 def _gc(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    _fields(b, "gc", ())
+    check_fields(b, "gc", ())
     return s.gc()
 
 
 def _checkpoint(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    _fields(b, "checkpoint", ())
+    check_fields(b, "checkpoint", ())
     s.checkpoint()
     return {"checkpoint": True}
 

@@ -34,7 +34,7 @@ import pyarrow.flight as flight
 from store.embedded import EmbeddedStore
 from store.errors import InvalidArgument
 
-from .actions import ACTIONS, action_results
+from .actions import ACTIONS, action_results, check_fields
 from .auth import Principal
 from .errors import as_store_error
 from .metrics import Metrics
@@ -127,10 +127,7 @@ class ActionSession:
             spec = ACTIONS[name]
             self._principal.require(spec.role, name)
             if name in ASYNC_ACTIONS:
-                claim_id = body.get("claim_id") if set(body) == {"claim_id"} else None
-                if claim_id is None:
-                    raise InvalidArgument(f"action {name!r} needs exactly the field 'claim_id'; "
-                                          f"got {sorted(body)}")
+                claim_id = check_fields(body, name, ("claim_id",))["claim_id"]
                 started = time.perf_counter()
                 future = ASYNC_ACTIONS[name](self._store, claim_id)
                 self._slots.acquire()
