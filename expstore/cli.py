@@ -707,19 +707,21 @@ def bench(ctx: click.Context, args: tuple[str, ...]) -> None:
     ctx.exit(int(module.main(list(args)) or 0))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The ``expstore`` console script."""
+def main(argv: list[str] | None = None, *, command: click.Command = cli,
+         prog_name: str = "expstore") -> None:
+    """The ``expstore`` console script (and ``python -m flight_server``: ``command=serve``)."""
     try:
-        cli.main(args=argv, prog_name="expstore")
+        command.main(args=argv, prog_name=prog_name)
     except SystemExit as done:
-        if "torch" in sys.modules and "duckdb_engine" in sys.modules:
-            # With both loaded (the demo: trainers plus a fresh catalog's migrations), DuckDB's
-            # nanobind module prints "leaked ..." lines during interpreter teardown, burying the
-            # command's own last lines. The command has finished and closed its store: leave
-            # without the teardown.
+        if "duckdb_engine" in sys.modules:
+            # Once a catalog's migrations ran in this process (a fresh database: the demo, a
+            # server), DuckDB's nanobind module prints pages of "leaked ..." lines during
+            # interpreter teardown, burying the command's own last lines. The command has
+            # finished and closed its store: flush what is ours and leave without the teardown.
             code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
             if done.code is not None and not isinstance(done.code, int):
                 print(done.code, file=sys.stderr)
+            logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)

@@ -1,9 +1,10 @@
 """Run the Flight server in the foreground until SIGINT/SIGTERM (``expstore serve``,
 ``python -m flight_server``).
 
-Shutdown order on a signal: stop accepting and let running calls finish (``shutdown``, from a
-helper thread: the signal handler runs on the serving thread, and shutting down from there would
-wait on itself), then close the store, which drains the writer and checkpoints the WAL.
+Shutdown order on a signal: ask open sessions and subscriptions to end, stop accepting and let
+running calls finish (``shutdown``, from a helper thread: the signal handler runs on the main
+thread, and shutting down from there would wait on itself), then close the store, which drains
+the writer and checkpoints the WAL.
 """
 from __future__ import annotations
 
@@ -80,10 +81,18 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
         if on_main else {}
     try:
         print(ready_line(server.location, db), file=out, flush=True)
-        # pyarrow serves "with signals": a signal ends serve() (it sees our handlers installed)
-        # and our handler then runs; the handler's own shutdown covers a signal that arrives
-        # before serve() is entered.
-        server.serve()
+        if on_main:
+            # Not serve(): seeing our handlers installed, pyarrow's serve() shuts gRPC down by
+            # itself on a signal, waiting for every open call before our handler may run; a
+            # client's open session never ends that way (it needs the "closing" message that
+            # our shutdown sends first). So the main thread stays in Python, where the handler
+            # runs, while another thread waits for the server to stop.
+            waiter = threading.Thread(target=server.wait, name="expstore-serve", daemon=True)
+            waiter.start()
+            while waiter.is_alive():
+                waiter.join(0.5)
+        else:
+            server.serve()
         stopper.join()
     finally:
         for sig, handler in previous.items():

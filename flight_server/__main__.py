@@ -6,7 +6,7 @@ Example::
 """
 from __future__ import annotations
 
-from expstore.cli import serve
+from expstore.cli import main, serve
 
 if __name__ == "__main__":
-    serve.main(prog_name="python -m flight_server")
+    main(command=serve, prog_name="python -m flight_server")

@@ -161,6 +161,8 @@ def test_python_m_flight_server_end_to_end(start_server, tmp_path):
 
     assert server.stop(signal.SIGTERM) == 0
     assert server.remaining_stdout() == []  # exactly one line on stdout: the ready line
+    # nothing from interpreter teardown either (nanobind's "leaked …" pages)
+    assert "leaked" not in server.stderr_path.read_text()
 
     with store.connect(str(db)) as s:
         assert s.list_tables() == ["solver"]
@@ -169,6 +171,33 @@ def test_python_m_flight_server_end_to_end(start_server, tmp_path):
         counts = s.query("SELECT count(*) AS n, count(*) FILTER (WHERE consumed) AS consumed "
                          "FROM solver").to_pylist()
         assert counts == [{"n": 10, "consumed": 4}]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_server_stops_on_a_signal_while_a_client_holds_a_session_open(start_server, tmp_path,
+                                                                      sig):
+    """A client's open session (claims, acks, small puts) must not hold the server up: the
+    server tells it to close, the client gets a clear error, the data written is kept."""
+    db = tmp_path / "s.duckdb"
+    server = start_server("-m", "flight_server", "--db", str(db), "--port", "0")
+    uri = server.wait_ready().split()[2]
+    s = store.connect(uri)
+    try:
+        s.create_table("t", {"a": "int64"})
+        s.put("t", {"sample_id": ["q1_0_0", "q2_0_0", "q3_0_0"], "a": [1, 2, 3]})  # session
+        claim = s.claim("t", 2)  # on the session too
+        s.ack(claim.claim_id)
+        started = time.monotonic()
+        assert server.stop(sig) == 0
+        assert time.monotonic() - started < 20
+        with pytest.raises(store.errors.Unavailable):
+            s.claim("t", 1)
+    finally:
+        s.close()
+    assert "Traceback" not in server.stderr_path.read_text()
+    with store.connect(str(db)) as e:
+        assert e.query("SELECT a, consumed FROM t ORDER BY a").to_pylist() == [
+            {"a": 1, "consumed": True}, {"a": 2, "consumed": True}, {"a": 3, "consumed": False}]
 
 
 def test_expstore_serve_stops_on_sigint(start_server, tmp_path):
