@@ -174,9 +174,10 @@ unknown_table = st.one_of(
     st.text(min_size=1, max_size=80).filter(lambda n: n not in TABLES),
     st.sampled_from(['fz"; DROP TABLE fz; --', "fz ", "FZ", "_expstore_tables", "alembic_version",
                      "main.fz", "../fz", "fz\x00", "x" * 5000]))
+# (Not "sample_id": a meta column's name is a bad column name but a fine table name; bad column
+# names of that kind are poisons of their own below. Nor SQL keywords: names are always quoted.)
 bad_identifier = st.one_of(
-    st.sampled_from(["", "1abc", "a b", "a-b", 'x"y', "x;y", "é", "a" * 300, "_expstore_x",
-                     "select", "sample_id"]),
+    st.sampled_from(["", "1abc", "a b", "a-b", 'x"y', "x;y", "é", "a" * 300, "_expstore_x"]),
     st.text(min_size=1, max_size=20).filter(lambda n: not _valid_identifier(n)))
 unknown_field = st.from_regex(r"\Azz[a-z_]{0,10}\Z")
 bad_limit = st.one_of(st.integers(max_value=0), st.integers(min_value=100_001), not_an_int)
