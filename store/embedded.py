@@ -36,11 +36,11 @@ from .errors import AlreadyExists, StoreClosed, ExpstoreError, InvalidArgument, 
 from .live import Lease, LiveTable, Row
 from .naming import check_identifier, quote
 from .opening import connect_duckdb, ensure_catalog
-from .prepare import prepare_put
+from .prepare import SMALL_ROWS, check_columns, prepare_put, to_arrow_table
 from .recovery import load_state
 from .schema import TableDef
 from .sqlguard import check_select
-from .writer import BumpOp, CallOp, PutOp, SettleOp, Writer
+from .writer import BumpOp, CallOp, PutOp, SettleOp, SmallPutOp, Writer
 
 log = logging.getLogger("expstore.store")
 
@@ -231,19 +231,25 @@ class EmbeddedStore:
         return self.put_async(table, data).result(timeout)
 
     def put_async(self, table: str, data: Any) -> Future:
-        """Validate a write now and queue it; the Future resolves once it is durable.
+        """Check a write and queue it; the Future resolves once it is durable.
 
-        Validation errors raise here; commit errors (e.g. StaleVersion) come from the Future.
-        Several writes in flight at once share group commits (the Flight server pipelines a
-        stream's batches this way).
+        An unknown table or column raises here. The values of a large write are validated here
+        too; those of a small one (≤ ``SMALL_ROWS`` rows) by the writer thread, which prepares
+        many small writes at once: their errors, like commit errors (e.g. StaleVersion), come
+        from the Future. Several writes in flight at once share group commits (the Flight server
+        pipelines a stream's batches this way).
         """
         live = self._live_table(table)
-        prepared = prepare_put(live.tdef, data, self._versions[live.tdef.version_group],
+        arrow = to_arrow_table(live.tdef, data)
+        if arrow.num_rows <= SMALL_ROWS:
+            check_columns(live.tdef, arrow)
+            return self._writer.submit(SmallPutOp(table, arrow))
+        prepared = prepare_put(live.tdef, arrow, self._versions[live.tdef.version_group],
                                self.ref_threshold)
         return self._writer.submit(PutOp(prepared))
 
-    def _count_put(self, rows: int) -> None:
-        self.counters["puts"] += 1
+    def _count_put(self, rows: int, puts: int = 1) -> None:
+        self.counters["puts"] += puts
         self.counters["rows_put"] += rows
 
     # -- claims --------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Turning a producer's write into what the writer thread commits.
 
-Everything that can be checked without the writer happens here, on the caller's thread: column
-names and types, sample ids (parsed vectorised), duplicate ids in one batch, and the serialisation
-of large values into blob chunks. The writer then only appends chunks, assigns row ids and runs
-one INSERT and one UPDATE per group of puts.
+Everything that can be checked without the database happens here: column names and types,
+sample ids (parsed vectorised), duplicate ids in one batch, and the serialisation of large values
+into blob chunks. The writer then only appends chunks, assigns row ids and runs one INSERT and one
+UPDATE per group of puts. Large writes are prepared on the caller's thread (overlapping the
+writer's commits); small ones only pass :func:`check_columns` there and are prepared by the writer,
+many at once (see ``store/writer.py``).
 """
 from __future__ import annotations
 
@@ -115,10 +117,11 @@ def _unknown_column(tdef: TableDef, name: str) -> None:
         f"'_status' columns")
 
 
-def prepare_put(tdef: TableDef, data: Any, current_version: int,
-                ref_threshold: int) -> PreparedPut:
-    """Validate and convert one write (see :class:`PreparedPut`)."""
-    table = to_arrow_table(tdef, data)
+def check_columns(tdef: TableDef, table: pa.Table) -> list[str]:
+    """The checks a write passes before any value is read: its column names, and rows.
+
+    Returns the column names.
+    """
     names = table.column_names
     if len(set(names)) != len(names):
         raise SchemaMismatch(f"the batch repeats a column name: {names}")
@@ -131,7 +134,14 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
             _unknown_column(tdef, n)
     if table.num_rows == 0:
         raise InvalidArgument("the batch has no rows")
+    return names
 
+
+def prepare_put(tdef: TableDef, data: Any, current_version: int,
+                ref_threshold: int) -> PreparedPut:
+    """Validate and convert one write (see :class:`PreparedPut`)."""
+    table = to_arrow_table(tdef, data)
+    names = check_columns(tdef, table)
     if table.num_rows <= SMALL_ROWS:
         try:
             fast = _prepare_small(tdef, table, names, current_version, ref_threshold)
