@@ -27,6 +27,11 @@ from .session_client import Answer, SessionChannel, json_answer
 if TYPE_CHECKING:
     from .subscriber import RemoteSubscription
 
+# Writes up to this size go on the session stream (one message; the server prepares small ones
+# many at a time); larger ones are streamed in a do_put call of their own.
+SESSION_PUT_ROWS = 64
+SESSION_PUT_BYTES = 256 * 1024
+
 
 class RemoteStore:
     """A client of an expstore Flight server.
@@ -36,9 +41,9 @@ class RemoteStore:
         token: bearer token when the server has auth on.
         tls_root_certs: PEM bytes or a path, to trust a self-signed server certificate.
         timeout: default seconds per call (None: no limit).
-        sessions: send claims, acks and nacks on one long-lived ``do_exchange`` session (a
-            fraction of a ``do_action`` call's cost); False: one ``do_action`` call each (what
-            a server without sessions, from before they existed, needs).
+        sessions: send claims, acks, nacks and small puts on one long-lived ``do_exchange``
+            session (a fraction of a ``do_action`` or ``do_put`` call's cost); False: one call
+            each (what a server without sessions, from before they existed, needs).
     """
 
     def __init__(self, uri: str, *, token: str | None = None,
@@ -129,13 +134,48 @@ class RemoteStore:
     # -- writes --------------------------------------------------------------------------------
     def put(self, table: str, data: Any, *, timeout: float | None = -1.0) -> dict[str, Any]:
         """Upsert rows; returns once the server answered that they are durable."""
-        if isinstance(data, (pa.Table, pa.RecordBatch)):
-            arrow = data if isinstance(data, pa.Table) else pa.Table.from_batches([data])
-        else:
-            arrow = to_arrow_table(self._tdef(table), data)
+        arrow = self._arrow(table, data)
+        if self._on_session(arrow):
+            return self._put_on_session(table, arrow).result(
+                self._timeout if timeout == -1.0 else timeout)
         answers = self.put_batches(table, arrow.to_batches(), arrow.schema, timeout=timeout)
         # One answer per batch on the wire; the caller gets the embedded store's shape.
         return {"rows": sum(a["rows"] for a in answers), "version": answers[-1]["version"]}
+
+    def put_async(self, table: str, data: Any) -> Future:
+        """:meth:`put` without waiting: the Future resolves to its answer once the rows are
+        durable, or raises what put would. Small writes go out on the session at once (many
+        can be in flight); a large one is streamed before this returns."""
+        arrow = self._arrow(table, data)
+        if self._on_session(arrow):
+            return self._put_on_session(table, arrow)
+        done = Answer()
+        try:
+            done.set_result(self.put(table, arrow))
+        except ExpstoreError as e:
+            done.set_exception(e)
+        return done
+
+    def _arrow(self, table: str, data: Any) -> pa.Table:
+        if isinstance(data, pa.Table):
+            return data
+        if isinstance(data, pa.RecordBatch):
+            return pa.Table.from_batches([data])
+        return to_arrow_table(self._tdef(table), data)
+
+    def _on_session(self, arrow: pa.Table) -> bool:
+        """Small writes go on the session (a message on an open stream, not a new call)."""
+        return (self._use_sessions and 0 < arrow.num_rows <= SESSION_PUT_ROWS
+                and arrow.nbytes <= SESSION_PUT_BYTES)
+
+    def _put_on_session(self, table: str, arrow: pa.Table) -> Answer:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, arrow.schema) as w:
+            w.write_table(arrow)
+        channel = self._channel()
+        assert channel is not None  # sessions are on: _on_session said so
+        return json_answer(channel.call("put", {"table": table},
+                                        [sink.getvalue().to_pybytes()]))
 
     def put_batches(self, table: str, batches: list[pa.RecordBatch], schema: pa.Schema,
                     *, timeout: float | None = -1.0) -> list[dict[str, Any]]:

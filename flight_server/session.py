@@ -13,10 +13,16 @@ parts ``do_action`` would have returned for the request, back to back::
     {"id": 7, "sizes": [112, 2216]}\\n<part 1><part 2>
     {"id": 7, "error": {"code": "not_found", "message": "…"}}\\n
 
-Claims and version reads are answered in request order. Acks and nacks are answered when their
-commit is durable, from another thread, so a claim sent after an ack does not wait for the ack's
-fsync: answers can overtake each other, and clients match them by ``id``. When the server shuts
-down it sends ``{"id": null, "closing": true}`` and the client ends its side of the stream.
+A small write travels the same way (a ``do_put`` call each costs what a ``do_action`` does):
+the request's one-line header names the table and the size of one part, an Arrow IPC stream of
+the rows, after a newline::
+
+    {"id": 8, "action": "put", "body": {"table": "policy"}, "sizes": [1184]}\\n<IPC stream>
+
+Claims and version reads are answered in request order. Puts, acks and nacks are answered when
+their commit is durable, from another thread, so a claim sent after an ack does not wait for the
+ack's fsync: answers can overtake each other, and clients match them by ``id``. When the server
+shuts down it sends ``{"id": null, "closing": true}`` and the client ends its side of the stream.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -43,13 +49,13 @@ log = logging.getLogger("expstore.session")
 
 # Verbs a session carries: the fast ones. Long polls (wait_version) or SQL would hold up every
 # request behind them on the stream; they stay on do_action / do_get.
-SESSION_ACTIONS = ("claim", "claim_many", "ack", "nack", "get_version")
-ASYNC_ACTIONS: dict[str, Callable[[EmbeddedStore, str], Future]] = {
-    "ack": EmbeddedStore.ack_async, "nack": EmbeddedStore.nack_async}
-# Settles waiting for their commit on one session; more block the reading side (back-pressure).
-MAX_PENDING_SETTLES = 256
+SESSION_ACTIONS = ("claim", "claim_many", "ack", "nack", "get_version", "put")
+# Verbs answered once their commit is durable, out of order.
+DURABLE_ACTIONS = ("ack", "nack", "put")
+# Writes waiting for their commit on one session; more block the reading side (back-pressure).
+MAX_PENDING_WRITES = 256
 
-_SETTLE_ANSWERS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="expstore-session")
+_DURABLE_ANSWERS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="expstore-session")
 
 
 def is_session(command: bytes) -> bool:
@@ -68,6 +74,45 @@ def frame(header: dict[str, Any], parts: Sequence[bytes] = ()) -> pa.Buffer:
     return pa.py_buffer(b"".join([json.dumps(header, default=str).encode(), b"\n", *parts]))
 
 
+def parse_request(raw: bytes) -> tuple[dict[str, Any], list[bytes]]:
+    """A request message: its JSON header, and the parts after it that ``sizes`` names."""
+    head, newline, rest = raw.partition(b"\n")
+    try:
+        request = json.loads(head)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        try:  # a header written over several lines, with no parts
+            request, rest = json.loads(raw), b""
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise InvalidArgument(f"a session request must be a JSON object {{id, action, body}}"
+                                  f" on one line, then its parts; {e}") from None
+    if not isinstance(request, dict):
+        raise InvalidArgument("a session request must be a JSON object {id, action, body}")
+    sizes = request.get("sizes", [])
+    if not isinstance(sizes, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+        raise InvalidArgument(f"a request's sizes must be a list of byte counts, got {sizes!r}")
+    if sum(sizes) != len(rest):
+        raise InvalidArgument(f"the request's sizes {sizes} add up to {sum(sizes)} bytes but "
+                              f"{len(rest)} follow its header")
+    parts, at = [], 0
+    for n in sizes:
+        parts.append(rest[at:at + n])
+        at += n
+    return request, parts
+
+
+def read_rows(parts: list[bytes]) -> pa.Table:
+    """The rows of a put request: its one part, an Arrow IPC stream."""
+    if len(parts) != 1:
+        raise InvalidArgument(f"a put request carries its rows as one part (an Arrow IPC "
+                              f"stream); got {len(parts)} parts")
+    try:
+        return pa.ipc.open_stream(parts[0]).read_all()
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
+        raise InvalidArgument(f"a put request's rows are not a readable Arrow IPC stream: "
+                              f"{e}") from None
+
+
 def error_frame(request_id: Any, error: BaseException) -> pa.Buffer:
     e = as_store_error(error)
     return frame({"id": request_id, "error": {"code": e.code, "message": str(e)}})
@@ -84,14 +129,14 @@ class ActionSession:
         self._metrics = metrics
         self._reader = reader
         self._writer = writer
-        self._write_lock = threading.Lock()  # answers come from this thread and the settles'
-        self._settles: queue.Queue[tuple[Any, str, float, Future] | None] = queue.Queue()
-        self._slots = threading.Semaphore(MAX_PENDING_SETTLES)
+        self._write_lock = threading.Lock()  # answers come from this thread and the writes'
+        self._durable: queue.Queue[tuple[Any, str, float, Future] | None] = queue.Queue()
+        self._slots = threading.Semaphore(MAX_PENDING_WRITES)
         self._broken = False
 
     def run(self) -> None:
         self._writer.begin(pa.schema([]))
-        settles = _SETTLE_ANSWERS.submit(self._answer_settles)
+        durable = _DURABLE_ANSWERS.submit(self._answer_durable)
         try:
             while True:
                 try:
@@ -101,8 +146,8 @@ class ActionSession:
                 if chunk.app_metadata is not None:
                     self._handle(chunk.app_metadata.to_pybytes())
         finally:
-            self._settles.put(None)
-            settles.result()
+            self._durable.put(None)
+            durable.result()
 
     def close(self) -> None:
         """The server is shutting down: ask the client to end the stream."""
@@ -111,10 +156,7 @@ class ActionSession:
     def _handle(self, raw: bytes) -> None:
         request_id = None
         try:
-            request = json.loads(raw)
-            if not isinstance(request, dict):
-                raise InvalidArgument("a session request must be a JSON object {id, action, "
-                                      "body}")
+            request, parts = parse_request(raw)
             request_id = request.get("id")
             name, body = request.get("action"), request.get("body", {})
             if name not in SESSION_ACTIONS:
@@ -124,23 +166,37 @@ class ActionSession:
             if not isinstance(body, dict):
                 raise InvalidArgument(f"session request body must be a JSON object, got "
                                       f"{type(body).__name__}")
+            if name != "put" and parts:
+                raise InvalidArgument(f"a {name!r} request carries no parts; got {len(parts)}")
+            if name in DURABLE_ACTIONS:
+                started = time.perf_counter()
+                future = self._start_write(name, body, parts)
+                self._slots.acquire()
+                self._durable.put((request_id, name, started, future))
+                return
             spec = ACTIONS[name]
             self._principal.require(spec.role, name)
-            if name in ASYNC_ACTIONS:
-                claim_id = check_fields(body, name, ("claim_id",))["claim_id"]
-                started = time.perf_counter()
-                future = ASYNC_ACTIONS[name](self._store, claim_id)
-                self._slots.acquire()
-                self._settles.put((request_id, name, started, future))
-                return
             with self._metrics.timed(name):
-                parts = action_results(spec.handler(self._store, body))
-            self._write(frame({"id": request_id}, parts))
+                answer = action_results(spec.handler(self._store, body))
+            self._write(frame({"id": request_id}, answer))
         except Exception as e:  # noqa: BLE001 - every request gets an answer, errors included
             self._write(error_frame(request_id, e))
 
-    def _answer_settles(self) -> None:
-        while (item := self._settles.get()) is not None:
+    def _start_write(self, name: str, body: dict[str, Any], parts: list[bytes]) -> Future:
+        """Queue a put, ack or nack; its Future resolves once the write is durable."""
+        if name == "put":
+            self._principal.require("writer", name)
+            table = check_fields(body, name, ("table",))["table"]
+            if not isinstance(table, str):
+                raise InvalidArgument(f"put's table must be a string, got {table!r}")
+            return self._store.put_async(table, read_rows(parts))
+        self._principal.require(ACTIONS[name].role, name)
+        claim_id = check_fields(body, name, ("claim_id",))["claim_id"]
+        settle = EmbeddedStore.ack_async if name == "ack" else EmbeddedStore.nack_async
+        return settle(self._store, claim_id)
+
+    def _answer_durable(self) -> None:
+        while (item := self._durable.get()) is not None:
             request_id, name, started, future = item
             try:
                 self._write(frame({"id": request_id}, action_results(future.result())))

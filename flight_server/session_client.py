@@ -12,7 +12,7 @@ import logging
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, Sequence
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -75,16 +75,22 @@ class SessionChannel:
     def failed(self) -> bool:
         return self._error is not None
 
-    def call(self, action: str, body: dict[str, Any]) -> Answer:
-        """Send one request; the Future resolves to the answer's parts (bytes) or raises the
-        store error the server answered with."""
+    def call(self, action: str, body: dict[str, Any], parts: Sequence[bytes] = ()) -> Answer:
+        """Send one request (with ``parts`` after its header: a put's rows); the Future
+        resolves to the answer's parts (bytes) or raises the store error the server answered
+        with."""
         future = Answer()
         with self._lock:
             if self._error is not None:
                 raise self._error
             request_id = next(self._ids)
             self._pending[request_id] = future
-            message = json.dumps({"id": request_id, "action": action, "body": body}).encode()
+            header: dict[str, Any] = {"id": request_id, "action": action, "body": body}
+            if parts:
+                header["sizes"] = [len(p) for p in parts]
+                message = b"".join([json.dumps(header).encode(), b"\n", *parts])
+            else:
+                message = json.dumps(header).encode()
             try:
                 self._writer.write_metadata(pa.py_buffer(message))
             except (flight.FlightError, pa.ArrowException, OSError) as e:

@@ -1,0 +1,193 @@
+"""Small puts on the action session (docs/protocol.md, "Sessions"): the wire format, its bad
+input, roles, and RemoteStore.put / put_async choosing the session or a do_put stream."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+import store
+from flight_fixtures import TOKENS, running_server, write_tokens
+from flight_server.client import SESSION_PUT_ROWS, RemoteStore
+from test_flight_session import RawSession
+
+
+def ipc(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def send_put(session: RawSession, request_id, body, parts: list[bytes]) -> None:
+    head = json.dumps({"id": request_id, "action": "put", "body": body,
+                       "sizes": [len(p) for p in parts]}).encode()
+    session.writer.write_metadata(pa.py_buffer(b"\n".join([head, b"".join(parts)])))
+
+
+def rows(n: int, first: int = 0, reward: float = 0.5) -> pa.Table:
+    return pa.table({"sample_id": [f"q{first + i}_0_0" for i in range(n)],
+                     "reward": pa.array([reward] * n, pa.float64())})
+
+
+@pytest.fixture
+def server(tmp_path):
+    with running_server(tmp_path / "p.duckdb") as srv:
+        srv.store.create_table("solver", {"reward": "float64"})
+        yield srv
+
+
+def test_raw_session_put_is_answered_once_durable(server):
+    session = RawSession(flight.connect(server.location))
+    send_put(session, "p1", {"table": "solver"}, [ipc(rows(3))])
+    header, parts = session.answer()
+    assert header["id"] == "p1" and "error" not in header
+    assert json.loads(parts[0]) == {"rows": 3, "version": 0}
+    # answered means committed: the rows are in DuckDB and claimable
+    assert server.store.query("SELECT count(*) AS n FROM solver").to_pylist() == [{"n": 3}]
+    # a put and a claim back to back, answers matched by id
+    send_put(session, "p2", {"table": "solver"}, [ipc(rows(2, first=10))])
+    session.send("c", "claim", {"table": "solver", "limit": 5})
+    answers = {h["id"]: (h, p) for h, p in (session.answer(), session.answer())}
+    assert json.loads(answers["p2"][1][0])["rows"] == 2
+    assert json.loads(answers["c"][1][0])["tables"]["solver"] >= 3
+    session.close()
+
+
+@pytest.mark.parametrize("body, parts, code, words", [
+    ({"table": "nope"}, [ipc(rows(1))], "not_found", "nope"),
+    ({}, [ipc(rows(1))], "invalid_argument", "table"),
+    ({"table": 7}, [ipc(rows(1))], "invalid_argument", "string"),
+    ({"table": "solver", "x": 1}, [ipc(rows(1))], "invalid_argument", "x"),
+    ({"table": "solver"}, [], "invalid_argument", "one part"),
+    ({"table": "solver"}, [ipc(rows(1)), ipc(rows(1))], "invalid_argument", "one part"),
+    ({"table": "solver"}, [b"certainly not arrow"], "invalid_argument", "Arrow IPC"),
+    ({"table": "solver"}, [ipc(pa.table({"sample_id": ["q1_0_0"], "bogus": [1]}))],
+     "schema_mismatch", "bogus"),
+    ({"table": "solver"}, [ipc(pa.table({"sample_id": ["no-turn"], "reward": [1.0]}))],
+     "invalid_argument", "no-turn"),
+    ({"table": "solver"}, [ipc(pa.table({"sample_id": ["q1_0_0"], "reward": ["high"]}))],
+     "schema_mismatch", "reward"),
+    ({"table": "solver"}, [ipc(pa.table({"sample_id": ["q1_0_0"], "reward": [1.0],
+                                          "policy_version": [5]}))], "stale_version", "ahead"),
+])
+def test_bad_puts_get_typed_errors_and_store_nothing(server, body, parts, code, words):
+    session = RawSession(flight.connect(server.location))
+    send_put(session, 1, body, parts)
+    header, answer = session.answer()
+    assert answer == [] and header["id"] == 1
+    assert header["error"]["code"] == code, header
+    assert words in header["error"]["message"]
+    # the session goes on, and nothing was written
+    send_put(session, 2, {"table": "solver"}, [ipc(rows(1, first=99))])
+    assert "error" not in session.answer()[0]
+    assert server.store.query("SELECT sample_id FROM solver").to_pylist() == [
+        {"sample_id": "q99_0_0"}]
+    session.close()
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b'{"id": 1, "action": "put", "body": {"table": "solver"}, "sizes": [10]}\n123',
+     "add up to 10 bytes but 3 follow"),
+    (b'{"id": 1, "action": "put", "body": {"table": "solver"}, "sizes": "ten"}\n',
+     "list of byte counts"),
+    (b'{"id": 1, "action": "put", "body": {"table": "solver"}, "sizes": [-1]}\n',
+     "list of byte counts"),
+    (b'{"id": 1, "action": "claim", "body": {"table": "solver", "limit": 1}, "sizes": [2]}\nab',
+     "carries no parts"),
+])
+def test_malformed_parts_are_refused(server, raw, words):
+    session = RawSession(flight.connect(server.location))
+    session.writer.write_metadata(pa.py_buffer(raw))
+    header, _ = session.answer()
+    assert header["error"]["code"] == "invalid_argument" and words in header["error"]["message"]
+    session.close()
+
+
+def test_a_header_over_several_lines_without_parts_still_parses(server):
+    session = RawSession(flight.connect(server.location))
+    doc = {"id": 4, "action": "get_version", "body": {"table": "solver"}}
+    session.writer.write_metadata(pa.py_buffer(json.dumps(doc, indent=2).encode()))
+    header, parts = session.answer()
+    assert header["id"] == 4 and json.loads(parts[0])["version"] == 0
+    session.close()
+
+
+def test_a_reader_token_cannot_put_on_a_session(tmp_path):
+    tokens = write_tokens(tmp_path / "tokens.json")
+    with running_server(tmp_path / "a.duckdb", tokens_file=tokens) as srv:
+        srv.store.create_table("solver", {"reward": "float64"})
+        reader = RawSession(flight.connect(srv.location), TOKENS["reader"])
+        send_put(reader, 1, {"table": "solver"}, [ipc(rows(1))])
+        header, _ = reader.answer()
+        assert header["error"]["code"] == "permission_denied"
+        assert "writer" in header["error"]["message"]
+        reader.close()
+        writer = RawSession(flight.connect(srv.location), TOKENS["writer"])
+        send_put(writer, 1, {"table": "solver"}, [ipc(rows(1))])
+        assert "error" not in writer.answer()[0]
+        writer.close()
+        assert srv.store.stats("solver")["solver"]["rows"] == 1
+
+
+def calls(server, verb: str) -> float:
+    """How many requests of ``verb`` the server has served (its latency histogram's count)."""
+    return server.metrics.registry.get_sample_value("expstore_request_seconds_count",
+                                                    {"verb": verb}) or 0.0
+
+
+def test_remote_put_takes_the_session_when_small_and_do_put_when_large(server):
+    s = store.connect(server.location)
+    assert s.put("solver", rows(SESSION_PUT_ROWS)) == {"rows": SESSION_PUT_ROWS, "version": 0}
+    assert (calls(server, "put"), calls(server, "do_put")) == (1, 0)
+    assert s.put("solver", rows(SESSION_PUT_ROWS + 1, first=1000))["rows"] == SESSION_PUT_ROWS + 1
+    assert (calls(server, "put"), calls(server, "do_put")) == (1, 1)
+    off = RemoteStore(server.location, sessions=False)
+    assert off.put("solver", rows(1, first=5000))["rows"] == 1
+    assert (calls(server, "put"), calls(server, "do_put")) == (1, 2)
+    assert off._session is None  # noqa: SLF001
+    off.close()
+    s.close()
+    assert server.store.stats("solver")["solver"]["rows"] == 2 * SESSION_PUT_ROWS + 2
+
+
+def test_remote_put_async_keeps_many_puts_in_flight(server):
+    s = store.connect(server.location)
+    futures = [s.put_async("solver", rows(1, first=i, reward=float(i))) for i in range(200)]
+    assert [f.result(60)["rows"] for f in futures] == [1] * 200
+    big = s.put_async("solver", rows(500, first=10_000))  # streamed in a do_put
+    assert big.result(60)["rows"] == 500
+    bad = s.put_async("solver", {"sample_id": ["broken"], "reward": [1.0]})
+    with pytest.raises(store.InvalidArgument, match="broken"):
+        bad.result(60)
+    got = server.store.query("SELECT count(*) AS n, sum(reward) AS r FROM solver").to_pylist()
+    assert got == [{"n": 700, "r": float(sum(range(200))) + 500 * 0.5}]
+    s.close()
+
+
+def test_many_producers_on_their_own_sessions(server):
+    """64 producer threads, each with its own client: every put lands exactly once."""
+    errors: list[BaseException] = []
+
+    def produce(k: int) -> None:
+        try:
+            with store.connect(server.location) as s:
+                for i in range(20):
+                    s.put("solver", {"sample_id": [f"p{k}x{i}_0_0"], "reward": [float(k)]})
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    counts = server.store.query(
+        "SELECT count(*) AS n, count(DISTINCT sample_id) AS d, sum(reward) AS r FROM solver"
+    ).to_pylist()[0]
+    assert counts == {"n": 64 * 20, "d": 64 * 20, "r": float(sum(range(64)) * 20)}
+    assert server.store.counters["puts"] == 64 * 20
