@@ -61,6 +61,7 @@ class Metrics:
         self.registry.register(StoreCollector(store))
         self.latency = Histogram("expstore_request_seconds", "Flight request latency",
                                  ["verb"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._by_verb: dict[str, Any] = {}
 
     @contextmanager
     def timed(self, verb: str) -> Iterator[None]:
@@ -68,11 +69,14 @@ class Metrics:
         try:
             yield
         finally:
-            self.latency.labels(verb).observe(time.perf_counter() - start)
+            self.observe(verb, time.perf_counter() - start)
 
     def observe(self, verb: str, seconds: float) -> None:
         """Count one call of ``verb`` that took ``seconds`` (for calls answered elsewhere)."""
-        self.latency.labels(verb).observe(seconds)
+        child = self._by_verb.get(verb)
+        if child is None:  # labels() costs more than the observation itself: keep the child
+            child = self._by_verb[verb] = self.latency.labels(verb)
+        child.observe(seconds)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the HTTP endpoint (``/metrics``); returns the port it listens on."""

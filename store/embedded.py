@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from typing import Callable, Any, Mapping
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
@@ -373,8 +374,10 @@ class EmbeddedStore:
             data = data.take(_inverse(order))
         data = data.combine_chunks()
         at = data.schema.get_field_index("finished_version") + 1
-        data = data.add_column(at, "delivery_count",
-                               pa.array([r.deliveries for r in rows], pa.int32()))
+        deliveries = [r.deliveries for r in rows]
+        data = data.add_column(at, "delivery_count", _first_deliveries(len(rows))
+                               if deliveries.count(1) == len(rows)
+                               else pa.array(deliveries, pa.int32()))
         data = self._resolve_refs(data)
         schema = tdef.claim_schema()
         return data if data.schema.equals(schema) else data.cast(schema)
@@ -399,6 +402,8 @@ class EmbeddedStore:
         """Replace ``X`` + ``X__ref`` column pairs by ``X`` with the blob values filled in."""
         names = table.column_names
         refs = [n for n in names if n.endswith("__ref") and n[: -len("__ref")] in names]
+        if not refs:
+            return table
         for name in refs:
             base = name[: -len("__ref")]
             ref = table.column(name)
@@ -408,7 +413,7 @@ class EmbeddedStore:
                 resolved = self.blobs.resolve(keys, inline.type)
                 inline = pc.if_else(pc.is_valid(ref), resolved, inline)
                 table = table.set_column(table.schema.get_field_index(base), base, inline)
-        return table.drop_columns(refs) if refs else table
+        return table.drop_columns(refs)
 
     def ack(self, claim_id: str) -> dict[str, Any]:
         """Mark a claim's rows consumed; durable on return; acking twice is harmless.
@@ -847,13 +852,37 @@ class EmbeddedStore:
         return NotFound(f"table {name!r} does not exist; tables: {self.list_tables()}")
 
 
+_ONES = pa.array(np.ones(1024, np.int32))
+
+
+def _first_deliveries(n: int) -> pa.Array:
+    """A delivery_count column of ``n`` ones (a claim's rows are usually first deliveries)."""
+    return _ONES.slice(0, n) if n <= len(_ONES) else pa.array(np.ones(n, np.int32))
+
+
+#: A claim's rows from one cached put are cut out as at most this many zero-copy slices (runs of
+#: consecutive rows); more runs take a ``take``, which copies every column of the rows.
+MAX_SLICES = 8
+
+
 def _rows_of(table: pa.Table, indices: list[int]) -> pa.Table:
-    """Rows ``indices`` of ``table``: a zero-copy slice when they are one ascending run (the
-    usual case: rows are claimed in about the order they were written), else a take."""
+    """Rows ``indices`` of ``table``, in that order: zero-copy slices when they form a few
+    ascending runs (the usual case: rows are claimed in about the order they were written, a
+    slice costs ~1 µs and a take of a 4,096-row put ~100 µs), else a take."""
     first = indices[0]
     if indices[-1] - first == len(indices) - 1 and indices == list(range(first, first + len(indices))):
         return table.slice(first, len(indices))
-    return table.take(indices)
+    runs: list[tuple[int, int]] = []
+    start = previous = first
+    for index in indices[1:]:
+        if index != previous + 1:
+            runs.append((start, previous - start + 1))
+            if len(runs) >= MAX_SLICES:
+                return table.take(indices)
+            start = index
+        previous = index
+    runs.append((start, previous - start + 1))
+    return pa.concat_tables([table.slice(at, n) for at, n in runs])
 
 
 def _inverse(order: list[int]) -> list[int]:

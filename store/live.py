@@ -118,11 +118,11 @@ class LiveTable:
             self.leased_count -= 1
         row.state = READY
         row.lease = None
-        gk = row.group_key
+        gk = (row.version, row.input_id)  # row.group_key, without a property call (hot path)
         group = self._groups.get(gk)
         if group is None:
             group = self._groups[gk] = _Group(gk)
-        group.ready[row.key] = row
+        group.ready[(row.sample_id, row.version)] = row
         self.ready_count += 1
         if not group.in_heap:
             heapq.heappush(self._heap, gk)
@@ -146,9 +146,9 @@ class LiveTable:
         """Take a ready row out of the ready index (it becomes pending)."""
         if row.state != READY:
             return
-        group = self._groups.get(row.group_key)
+        group = self._groups.get((row.version, row.input_id))  # row.group_key (hot path)
         if group is not None:
-            group.ready.pop(row.key, None)
+            group.ready.pop((row.sample_id, row.version), None)
             if not group.ready and not group.in_heap:
                 del self._groups[group.key]
         self.ready_count -= 1
