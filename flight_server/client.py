@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 # many at a time); larger ones are streamed in a do_put call of their own.
 SESSION_PUT_ROWS = 64
 SESSION_PUT_BYTES = 256 * 1024
+# How a server that predates session puts refuses one (the client then uses do_put).
+NOT_ON_SESSION = "is not served on a session"
 
 
 class RemoteStore:
@@ -135,9 +137,18 @@ class RemoteStore:
     def put(self, table: str, data: Any, *, timeout: float | None = -1.0) -> dict[str, Any]:
         """Upsert rows; returns once the server answered that they are durable."""
         arrow = self._arrow(table, data)
-        if self._on_session(arrow):
-            return self._put_on_session(table, arrow).result(
-                self._timeout if timeout == -1.0 else timeout)
+        channel = self._channel() if self._on_session(arrow) else None
+        if channel is not None and channel.carries_puts is not False:
+            try:
+                answer = self._put_on_session(channel, table, arrow).result(
+                    self._timeout if timeout == -1.0 else timeout)
+            except InvalidArgument as e:
+                if channel.carries_puts is not None or NOT_ON_SESSION not in str(e):
+                    raise
+                channel.carries_puts = False  # a server from before session puts: do_put
+            else:
+                channel.carries_puts = True
+                return answer
         answers = self.put_batches(table, arrow.to_batches(), arrow.schema, timeout=timeout)
         # One answer per batch on the wire; the caller gets the embedded store's shape.
         return {"rows": sum(a["rows"] for a in answers), "version": answers[-1]["version"]}
@@ -145,10 +156,12 @@ class RemoteStore:
     def put_async(self, table: str, data: Any) -> Future:
         """:meth:`put` without waiting: the Future resolves to its answer once the rows are
         durable, or raises what put would. Small writes go out on the session at once (many
-        can be in flight); a large one is streamed before this returns."""
+        can be in flight; the session's first one waits, to learn whether the server takes
+        puts on sessions); a large one is streamed before this returns."""
         arrow = self._arrow(table, data)
-        if self._on_session(arrow):
-            return self._put_on_session(table, arrow)
+        channel = self._channel() if self._on_session(arrow) else None
+        if channel is not None and channel.carries_puts:  # (unknown before a first put(): wait)
+            return self._put_on_session(channel, table, arrow)
         done = Answer()
         try:
             done.set_result(self.put(table, arrow))
@@ -169,12 +182,11 @@ class RemoteStore:
         return (self._use_sessions and 0 < arrow.num_rows <= SESSION_PUT_ROWS
                 and arrow.get_total_buffer_size() <= SESSION_PUT_BYTES)
 
-    def _put_on_session(self, table: str, arrow: pa.Table) -> Answer:
+    @staticmethod
+    def _put_on_session(channel: SessionChannel, table: str, arrow: pa.Table) -> Answer:
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, arrow.schema) as w:
             w.write_table(arrow)
-        channel = self._channel()
-        assert channel is not None  # sessions are on: _on_session said so
         return json_answer(channel.call("put", {"table": table},
                                         [sink.getvalue().to_pybytes()]))
 

@@ -67,6 +67,8 @@ class SessionChannel:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._ended_writing = False
+        #: Whether the server takes puts on this session (None: no put tried yet).
+        self.carries_puts: bool | None = None
         self._thread = threading.Thread(target=self._read_answers, name="expstore-session",
                                         daemon=True)
         self._thread.start()

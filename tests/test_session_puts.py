@@ -191,3 +191,18 @@ def test_many_producers_on_their_own_sessions(server):
     ).to_pylist()[0]
     assert counts == {"n": 64 * 20, "d": 64 * 20, "r": float(sum(range(64)) * 20)}
     assert server.store.counters["puts"] == 64 * 20
+
+
+def test_a_server_without_session_puts_gets_do_put_instead(server, monkeypatch):
+    """A server from before session puts refuses them; the client then streams its puts in
+    do_put calls, for put and put_async alike, and claims still go on the session."""
+    import flight_server.session as session_module
+    monkeypatch.setattr(session_module, "SESSION_ACTIONS",
+                        tuple(a for a in session_module.SESSION_ACTIONS if a != "put"))
+    s = store.connect(server.location)
+    assert s.put("solver", rows(2)) == {"rows": 2, "version": 0}
+    assert s.put_async("solver", rows(1, first=50)).result(30)["rows"] == 1
+    assert (calls(server, "put"), calls(server, "do_put")) == (0, 2)
+    assert s._session.carries_puts is False  # noqa: SLF001
+    assert s.claim("solver", 3).data.num_rows == 3
+    s.close()
