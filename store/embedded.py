@@ -372,15 +372,16 @@ class EmbeddedStore:
         order = [p for _, _, positions in sources.values() for p in positions]
         if len(parts) > 1 and order != sorted(order):
             data = data.take(_inverse(order))
-        data = data.combine_chunks()
-        at = data.schema.get_field_index("finished_version") + 1
+        columns = data.combine_chunks().columns
+        for value_at, key_at in live.claim_refs:
+            keys = columns[key_at]
+            if keys.null_count < len(keys):  # some values are in the blob store
+                columns[value_at] = self._resolved(columns[value_at], keys)
         deliveries = [r.deliveries for r in rows]
-        data = data.add_column(at, "delivery_count", _first_deliveries(len(rows))
-                               if deliveries.count(1) == len(rows)
-                               else pa.array(deliveries, pa.int32()))
-        data = self._resolve_refs(data)
-        schema = tdef.claim_schema()
-        return data if data.schema.equals(schema) else data.cast(schema)
+        delivery_count = (_first_deliveries(len(rows)) if deliveries.count(1) == len(rows)
+                          else pa.array(deliveries, pa.int32()))
+        return pa.Table.from_arrays([delivery_count if at < 0 else columns[at]
+                                     for at in live.claim_sources], schema=tdef.claim_schema())
 
     def load_payloads(self, live: LiveTable, row_ids: list[int]) -> dict[int, tuple[pa.Table, int]]:
         """Read rows' claimable values from DuckDB into the payload form."""
@@ -408,12 +409,15 @@ class EmbeddedStore:
             base = name[: -len("__ref")]
             ref = table.column(name)
             if ref.null_count < len(ref):  # some values are in the blob store
-                keys = ref.to_pylist()
-                inline = table.column(base).combine_chunks()
-                resolved = self.blobs.resolve(keys, inline.type)
-                inline = pc.if_else(pc.is_valid(ref), resolved, inline)
-                table = table.set_column(table.schema.get_field_index(base), base, inline)
+                table = table.set_column(table.schema.get_field_index(base), base,
+                                         self._resolved(table.column(base), ref))
         return table.drop_columns(refs)
+
+    def _resolved(self, inline: pa.ChunkedArray, keys: pa.ChunkedArray) -> pa.Array:
+        """A column's values: inline ones where the blob key is null, else read from blobs."""
+        inline = inline.combine_chunks()
+        return pc.if_else(pc.is_valid(keys), self.blobs.resolve(keys.to_pylist(), inline.type),
+                          inline)
 
     def ack(self, claim_id: str) -> dict[str, Any]:
         """Mark a claim's rows consumed; durable on return; acking twice is harmless.

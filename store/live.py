@@ -98,6 +98,14 @@ class LiveTable:
         self.leased_count = 0
         self.required_mask = tdef.required_mask
         self.payload_schema = tdef.payload_schema()
+        # A claim's table is built from cached payload columns in one step: where each claim
+        # column comes from in the payload (-1: delivery_count, which each claim sets), and the
+        # (value, blob key) positions of each column that may be stored by reference.
+        payload = self.payload_schema.names
+        self.claim_sources = [-1 if n == "delivery_count" else payload.index(n)
+                              for n in tdef.claim_schema().names]
+        self.claim_refs = [(payload.index(c.name), payload.index(c.ref))
+                           for c in tdef.columns if c.ref]
         # Terminal rows (consumed, stale, dead) that a put may still address, so that a put of a
         # key that is not live needs no DuckDB lookup: policy_version -> sample_id -> row_id.
         # Only versions a put may still carry (>= current version - max_staleness; older ones
