@@ -16,6 +16,7 @@ from consumers.torch_collate import collate  # noqa: E402
 from producers.rollout import Generation, PartialGeneration, SamplingConfig  # noqa: E402
 from producers.rollout.tiny_lm import ByteTokenizer, TinyLMBackend, build_tiny_lm  # noqa: E402
 from producers.rollout.weights import load_state_dict, prune_published, publish_state_dict, uri_to_path  # noqa: E402
+from waiting import wait_until  # noqa: E402
 
 
 def as_table(gens: list[Generation]) -> pa.Table:
@@ -101,19 +102,31 @@ def test_threads_and_asyncio_see_whole_policies(tmp_path) -> None:
     uri = publish_state_dict(eos_state_dict(backend.model), tmp_path, step=1)
     results: list[Generation] = []
     lock = threading.Lock()
+    stop = threading.Event()
 
     def worker() -> None:
-        for _ in range(6):
+        # Generate until told to stop (bounded): the swap must land while generations run, and
+        # some must come after it, however the threads are scheduled.
+        for _ in range(2000):
             out = backend.generate(["q"], n=2, max_new_tokens=4)
             with lock:
                 results.extend(out)
+            if stop.is_set():
+                return
+
+    def count(version: int | None) -> int:
+        with lock:
+            return sum(1 for g in results if g.policy_version == version)
 
     threads = [threading.Thread(target=worker) for _ in range(3)]
     for t in threads:
         t.start()
+    wait_until(lambda: count(None) > 0, 30, "a first generation before the swap")
     backend.load_weights(uri, policy_version=1)
+    wait_until(lambda: count(1) >= 6, 30, "generations under version 1")
+    stop.set()
     for t in threads:
-        t.join()
+        t.join(30)
     # every generation under version 1 behaves like version 1: no call straddled the swap
     assert all(g.token_ids == [ByteTokenizer.EOS] for g in results if g.policy_version == 1)
     assert any(g.policy_version == 1 for g in results)
