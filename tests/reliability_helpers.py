@@ -2,10 +2,9 @@
 scripts/crash_loop.py): a real server in a subprocess, SIGKILL, RSS, checksums.
 
 The server runs in its own process so that a test can ``kill -9`` it. It is started with
-``python -m flight_server --db PATH --port PORT`` when that entry point exists, else with a tiny
-inline launcher around :class:`flight_server.server.ExpstoreFlightServer`. Either way the process
-is created by ``subprocess`` (fork + exec: nothing of this process's gRPC state survives into it)
-and readiness is a bounded poll of the ``health`` action, never a sleep.
+``python -m flight_server --db PATH --port PORT`` (the command users run), created by
+``subprocess`` (fork + exec: nothing of this process's gRPC state survives into it), and
+readiness is a bounded poll of the ``health`` action, never a sleep.
 
 Every wait here has a deadline; every loop a bound.
 """
@@ -21,28 +20,11 @@ import time
 
 from waiting import wait_until  # noqa: F401 - re-exported for the tests
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow.flight as flight
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# The inline launcher: prints a line with "serving" once the port is bound, then serves until
-# SIGTERM/SIGINT. Used when flight_server/__main__.py does not exist (yet).
-_LAUNCHER = r"""
-import json, signal, sys, threading
-from flight_server.server import ExpstoreFlightServer
-args = json.loads(sys.argv[1])
-options = args.get("store_options", {})
-server = ExpstoreFlightServer(args["db"], host="127.0.0.1", port=args["port"], **options)
-def _stop(signum, frame):
-    threading.Thread(target=server.shutdown, daemon=True).start()
-signal.signal(signal.SIGTERM, _stop)
-signal.signal(signal.SIGINT, _stop)
-print(f"expstore serving {server.location} metrics={server.metrics_port}", flush=True)
-server.serve()
-server.close()
-"""
 
 
 def free_port() -> int:
@@ -50,11 +32,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def module_entry_point() -> bool:
-    """Whether ``python -m flight_server`` exists in this checkout."""
-    return (ROOT / "flight_server" / "__main__.py").exists()
 
 
 class ServerProcess:
@@ -65,19 +42,12 @@ class ServerProcess:
     """
 
     def __init__(self, db: str | os.PathLike, *, port: int | None = None,
-                 memory_limit: str | None = None, metrics_port: int | None = None,
-                 log_path: str | os.PathLike | None = None,
-                 launcher: str | None = None) -> None:
+                 memory_limit: str | None = None,
+                 log_path: str | os.PathLike | None = None) -> None:
         self.db = str(db)
         self.port = port or free_port()
         self.memory_limit = memory_limit
-        self.metrics_port = metrics_port
         self.log_path = Path(log_path or f"{self.db}.server.log")
-        # "module" (python -m flight_server) or "inline"; the env var lets a run pin one.
-        chosen = launcher or os.environ.get("EXPSTORE_RELIABILITY_LAUNCHER")
-        if chosen is None:
-            chosen = "module" if module_entry_point() and metrics_port is None else "inline"
-        self.launcher = chosen
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.last_start_seconds = 0.0
@@ -92,19 +62,10 @@ class ServerProcess:
         return self.proc.pid
 
     def _command(self) -> list[str]:
-        if self.launcher == "module":
-            cmd = [sys.executable, "-m", "flight_server", "--db", self.db,
-                   "--port", str(self.port)]
-            if self.memory_limit:
-                cmd += ["--memory-limit", self.memory_limit]
-            return cmd
-        options: dict[str, Any] = {}
+        cmd = [sys.executable, "-m", "flight_server", "--db", self.db, "--port", str(self.port)]
         if self.memory_limit:
-            options["memory_limit"] = self.memory_limit
-        if self.metrics_port is not None:
-            options["metrics_port"] = self.metrics_port
-        args = {"db": self.db, "port": self.port, "store_options": options}
-        return [sys.executable, "-c", _LAUNCHER, json.dumps(args)]
+            cmd += ["--memory-limit", self.memory_limit]
+        return cmd
 
     def start(self, timeout: float = 60.0) -> "ServerProcess":
         """Start the server and wait until it answers ``health`` (bounded by ``timeout``)."""
