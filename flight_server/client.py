@@ -11,7 +11,7 @@ import threading
 import time
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -162,12 +162,7 @@ class RemoteStore:
         channel = self._channel() if self._on_session(arrow) else None
         if channel is not None and channel.carries_puts:  # (unknown before a first put(): wait)
             return self._put_on_session(channel, table, arrow)
-        done = Answer()
-        try:
-            done.set_result(self.put(table, arrow))
-        except ExpstoreError as e:
-            done.set_exception(e)
-        return done
+        return _answered(lambda: self.put(table, arrow))
 
     def _arrow(self, table: str, data: Any) -> pa.Table:
         if isinstance(data, pa.Table):
@@ -251,12 +246,7 @@ class RemoteStore:
         channel = self._channel()
         if channel is not None:
             return channel.call(name, body)
-        done = Answer()
-        try:
-            done.set_result(self._action(name, body))
-        except ExpstoreError as e:
-            done.set_exception(e)
-        return done
+        return _answered(lambda: self._action(name, body))
 
     def _channel(self) -> "SessionChannel | None":
         """The open session, opened on first use and again after the last one broke (a
@@ -366,6 +356,16 @@ def _request_json(r: ClaimRequest) -> dict[str, Any]:
         if getattr(r, key) is not None:
             d[key] = getattr(r, key)
     return d
+
+
+def _answered(call: Callable[[], Any]) -> Answer:
+    """Run ``call`` now; its result (or store error) as an already resolved Future."""
+    done = Answer()
+    try:
+        done.set_result(call())
+    except ExpstoreError as e:
+        done.set_exception(e)
+    return done
 
 
 def _claim_from_results(results: list[bytes]) -> Claim:
