@@ -52,8 +52,7 @@ DIRECT_MIN_BYTES = 64 << 10         # smaller group commits are written buffered
 STAGING_BYTES = 16 << 20            # the page-aligned buffer O_DIRECT writes go through
 _IOV_MAX = 1024                     # buffers per pwritev call (Linux's IOV_MAX)
 
-# What BlobStore.append takes: the bytes of serialize_chunk, or the buffer of
-# serialize_chunk_buffer (one copy fewer).
+# What BlobStore.append takes: the buffer of serialize_chunk_buffer (or its bytes).
 Chunk = Union[bytes, pa.Buffer]
 
 
@@ -74,17 +73,6 @@ def serialize_chunk_buffer(values: pa.Array) -> pa.Buffer:
     crc = zlib.crc32(memoryview(buf)[CHECKSUM_BYTES:])
     pa.FixedSizeBufferWriter(buf).write(crc.to_bytes(CHECKSUM_BYTES, "little"))
     return buf
-
-
-def serialize_chunk(values: pa.Array) -> bytes:
-    """:func:`serialize_chunk_buffer` as ``bytes`` (one pass: the IPC stream is written once,
-    then joined to its CRC)."""
-    sink = pa.BufferOutputStream()
-    batch = pa.record_batch([values], names=["v"])
-    with pa.ipc.new_stream(sink, batch.schema) as w:
-        w.write_batch(batch)
-    body = sink.getvalue()
-    return b"".join((zlib.crc32(body).to_bytes(CHECKSUM_BYTES, "little"), body))
 
 
 def _align_up(n: int) -> int:

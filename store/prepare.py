@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import tensors
-from .blobs import serialize_chunk
+from .blobs import Chunk, serialize_chunk_buffer
 from .errors import InvalidArgument, SchemaMismatch
 from .schema import META_NAMES, WRITABLE_META, TableDef
 from .types import is_complex, is_tensor, type_name
@@ -46,7 +46,7 @@ class PreparedPut:
     keys: list[tuple[str, int]]
     data_columns: list[str]
     status_columns: list[str]
-    chunks: dict[str, bytes]
+    chunks: dict[str, Chunk]
     set_mask: np.ndarray
     clear_mask: np.ndarray
     versions_given: bool
@@ -187,7 +187,7 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
     }
     data_columns = [c.name for c in tdef.columns if c.name in names]
     status_columns = [c.status for c in tdef.columns if c.name in names or c.status in names]
-    chunks: dict[str, bytes] = {}
+    chunks: dict[str, Chunk] = {}
     set_mask = np.zeros(n, np.int64)
     clear_mask = np.zeros(n, np.int64)
     nbytes = 0
@@ -261,7 +261,7 @@ def _prepare_small(tdef: TableDef, table: pa.Table, names: list[str], current_ve
     }
     data_columns = [c.name for c in tdef.columns if c.name in names]
     status_columns = [c.status for c in tdef.columns if c.name in names or c.status in names]
-    chunks: dict[str, bytes] = {}
+    chunks: dict[str, Chunk] = {}
     set_mask = np.zeros(n, np.int64)
     clear_mask = np.zeros(n, np.int64)
     nbytes = 0
@@ -345,7 +345,7 @@ def _as_type(table: pa.Table, name: str, target: pa.DataType) -> pa.Array:
 
 
 def _split(name: str, values: pa.Array, storage: str,
-           threshold: int) -> tuple[pa.Array, pa.Array, bytes | None]:
+           threshold: int) -> tuple[pa.Array, pa.Array, Chunk | None]:
     """Split a column into inline values and by-reference rows (index into one chunk)."""
     n = len(values)
     null_index = pa.nulls(n, pa.int64())
@@ -364,9 +364,10 @@ def _split(name: str, values: pa.Array, storage: str,
         # Every row by reference (wide rows): serialise the values as they are, no copy by
         # ``take`` (~1 ms/MB) and no if_else over them to null them inline.
         index = np.arange(n, dtype=np.int64)
-        return pa.nulls(n, values.type), pa.array(index, mask=index < 0), serialize_chunk(values)
+        return (pa.nulls(n, values.type), pa.array(index, mask=index < 0),
+                serialize_chunk_buffer(values))
     positions = np.nonzero(big_np)[0]
-    chunk = serialize_chunk(values.take(pa.array(positions, pa.int64())))
+    chunk = serialize_chunk_buffer(values.take(pa.array(positions, pa.int64())))
     index = np.full(n, -1, np.int64)
     index[positions] = np.arange(count)
     ref_index = pa.array(index, mask=index < 0)
