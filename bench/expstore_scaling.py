@@ -37,7 +37,7 @@ def run(ctx: Ctx) -> None:
         fill(s, table, size - have, start=have)
         rate = (size - have) / (time.perf_counter() - t0)
         have = size
-        claims, _ = claim_latencies(s, table, ctx.pick(200, 500), 16, group=False,
+        claims, _, _ = claim_latencies(s, table, ctx.pick(200, 500), 16, group=False,
                                     budget_s=ctx.pick(1.5, 3.0))
         p50, p99 = percentiles_ms(claims)
         label = f"{size:.0e}".replace("+0", "")
