@@ -27,7 +27,8 @@ import threading
 import uuid
 import zlib
 from collections import OrderedDict
-from typing import Iterable, Sequence, Union
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Sequence, Union
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -203,17 +204,24 @@ class BlobStore:
                 if e.errno != errno.EINVAL:
                     raise
                 self._direct = False     # refused here: buffered from now on, and rewrite
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        with self._appending(path, 0) as fd:
+            _pwrite_pieces(fd, pieces, start)
+        return start + total
+
+    @contextmanager
+    def _appending(self, path: str, flags: int) -> Iterator[int]:
+        """The segment open for writing; fsynced when the block ends, cut back to its last
+        durable end if a write or the fsync fails."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
         try:
             try:
-                _pwrite_pieces(fd, pieces, start)
+                yield fd
                 os.fsync(fd)
             except OSError:
                 os.ftruncate(fd, self._size)
                 raise
         finally:
             os.close(fd)
-        return start + total
 
     def _write_direct(self, path: str, pieces: list[Chunk], start: int, total: int) -> int:
         """O_DIRECT: copy the pieces through a page-aligned buffer into block-aligned writes,
@@ -224,32 +232,24 @@ class BlobStore:
             self._staging = mmap.mmap(-1, _align_up(max(STAGING_BYTES, ALIGN)))
         staging = self._staging
         cap = len(staging)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | _O_DIRECT, 0o644)
-        try:
-            try:
-                offset, fill = start, 0
-                with memoryview(staging) as out:
-                    for piece in pieces:
-                        with memoryview(piece) as view:
-                            pos, n = 0, len(view)
-                            while pos < n:
-                                take = min(n - pos, cap - fill)
-                                staging[fill:fill + take] = view[pos:pos + take]
-                                fill += take
-                                pos += take
-                                if fill == cap:
-                                    offset = _pwrite_all(fd, out[:cap], offset)
-                                    fill = 0
-                    if fill:
-                        padded = _align_up(fill)
-                        staging[fill:padded] = bytes(padded - fill)
-                        offset = _pwrite_all(fd, out[:padded], offset)
-                os.fsync(fd)
-            except OSError:
-                os.ftruncate(fd, self._size)
-                raise
-        finally:
-            os.close(fd)
+        with self._appending(path, _O_DIRECT) as fd:
+            offset, fill = start, 0
+            with memoryview(staging) as out:
+                for piece in pieces:
+                    with memoryview(piece) as view:
+                        pos, n = 0, len(view)
+                        while pos < n:
+                            take = min(n - pos, cap - fill)
+                            staging[fill:fill + take] = view[pos:pos + take]
+                            fill += take
+                            pos += take
+                            if fill == cap:
+                                offset = _pwrite_all(fd, out[:cap], offset)
+                                fill = 0
+                if fill:
+                    padded = _align_up(fill)
+                    staging[fill:padded] = bytes(padded - fill)
+                    offset = _pwrite_all(fd, out[:padded], offset)
         return offset
 
     def roll(self) -> None:
