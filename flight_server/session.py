@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -43,6 +43,7 @@ from store.errors import InvalidArgument
 from .actions import ACTIONS, action_results, check_fields
 from .auth import Principal
 from .errors import as_store_error
+from .framing import frame, split_parts
 from .metrics import Metrics
 
 log = logging.getLogger("expstore.session")
@@ -67,16 +68,9 @@ def is_session(command: bytes) -> bool:
     return isinstance(doc, dict) and "session" in doc
 
 
-def frame(header: dict[str, Any], parts: Sequence[bytes] = ()) -> pa.Buffer:
-    """One answer message: the JSON header, a newline, the parts (their sizes in the header)."""
-    if parts:
-        header = {**header, "sizes": [len(p) for p in parts]}
-    return pa.py_buffer(b"".join([json.dumps(header, default=str).encode(), b"\n", *parts]))
-
-
 def parse_request(raw: bytes) -> tuple[dict[str, Any], list[bytes]]:
     """A request message: its JSON header, and the parts after it that ``sizes`` names."""
-    head, newline, rest = raw.partition(b"\n")
+    head, _, rest = raw.partition(b"\n")
     try:
         request = json.loads(head)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -87,18 +81,7 @@ def parse_request(raw: bytes) -> tuple[dict[str, Any], list[bytes]]:
                                   f" on one line, then its parts; {e}") from None
     if not isinstance(request, dict):
         raise InvalidArgument("a session request must be a JSON object {id, action, body}")
-    sizes = request.get("sizes", [])
-    if not isinstance(sizes, list) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
-        raise InvalidArgument(f"a request's sizes must be a list of byte counts, got {sizes!r}")
-    if sum(sizes) != len(rest):
-        raise InvalidArgument(f"the request's sizes {sizes} add up to {sum(sizes)} bytes but "
-                              f"{len(rest)} follow its header")
-    parts, at = [], 0
-    for n in sizes:
-        parts.append(rest[at:at + n])
-        at += n
-    return request, parts
+    return request, split_parts(request.get("sizes", []), rest)
 
 
 def read_rows(parts: list[bytes]) -> pa.Table:

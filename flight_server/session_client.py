@@ -20,6 +20,7 @@ import pyarrow.flight as flight
 from store import errors as E
 
 from .errors import from_flight
+from .framing import frame, split_parts
 
 log = logging.getLogger("expstore.client")
 
@@ -87,14 +88,9 @@ class SessionChannel:
                 raise self._error
             request_id = next(self._ids)
             self._pending[request_id] = future
-            header: dict[str, Any] = {"id": request_id, "action": action, "body": body}
-            if parts:
-                header["sizes"] = [len(p) for p in parts]
-                message = b"".join([json.dumps(header).encode(), b"\n", *parts])
-            else:
-                message = json.dumps(header).encode()
+            message = frame({"id": request_id, "action": action, "body": body}, parts)
             try:
-                self._writer.write_metadata(pa.py_buffer(message))
+                self._writer.write_metadata(message)
             except (flight.FlightError, pa.ArrowException, OSError) as e:
                 del self._pending[request_id]
                 self._fail_locked(from_flight(e))
@@ -143,11 +139,7 @@ class SessionChannel:
             cls = E.ERROR_CLASSES.get(problem.get("code"), E.ExpstoreError)
             future.set_exception(cls(problem.get("message", "")))
             return
-        parts, at = [], 0
-        for size in header.get("sizes", []):
-            parts.append(rest[at:at + size])
-            at += size
-        future.set_result(parts)
+        future.set_result(split_parts(header.get("sizes", []), rest))
 
     def _fail_locked(self, error: BaseException) -> None:
         """Fail every request waiting, once, and end our side of the stream (the server then
