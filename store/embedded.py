@@ -37,7 +37,7 @@ from .errors import AlreadyExists, StoreClosed, ExpstoreError, InvalidArgument, 
 from .live import Lease, LiveTable, Row
 from .naming import check_identifier, quote
 from .opening import connect_duckdb, ensure_catalog
-from .prepare import SMALL_ROWS, check_columns, prepare_put, to_arrow_table
+from .prepare import SMALL_ROWS, PreparedPut, check_columns, prepare_put, to_arrow_table
 from .recovery import load_state
 from .schema import TableDef
 from .sqlguard import check_select
@@ -245,9 +245,13 @@ class EmbeddedStore:
         if arrow.num_rows <= SMALL_ROWS:
             check_columns(live.tdef, arrow)
             return self._writer.submit(SmallPutOp(table, arrow))
-        prepared = prepare_put(live.tdef, arrow, self._versions[live.tdef.version_group],
-                               self.ref_threshold)
-        return self._writer.submit(PutOp(prepared))
+        return self._writer.submit(PutOp(self._prepare(table, arrow)))
+
+    def _prepare(self, table: str, data: Any) -> PreparedPut:
+        """Validate and convert a write to ``table`` against its current version."""
+        live = self._live_table(table)
+        return prepare_put(live.tdef, data, self._versions[live.tdef.version_group],
+                           self.ref_threshold)
 
     def _count_put(self, rows: int, puts: int = 1) -> None:
         self.counters["puts"] += puts

@@ -31,7 +31,7 @@ from .errors import ExpstoreError, NotFound, StaleVersion, StorageError, StoreCl
     VersionConflict
 from .live import LEASED, Lease, LiveTable, Row
 from .naming import quote
-from .prepare import PreparedPut, prepare_put
+from .prepare import PreparedPut
 
 if TYPE_CHECKING:
     from .embedded import EmbeddedStore
@@ -285,23 +285,16 @@ class Writer:
         store = self._store
         if len(run) > 1:
             try:
-                live = store._live_table(run[0].table)
                 merged = pa.concat_tables([op.data for op in run])
                 # Two puts of one sample stay apart: prepare would merge them into one row.
                 if pc.count_distinct(merged.column("sample_id")).as_py() == merged.num_rows:
-                    prepared = prepare_put(live.tdef, merged,
-                                           store._versions[live.tdef.version_group],
-                                           store.ref_threshold)
-                    return [MergedPutOp(prepared, run)]
+                    return [MergedPutOp(store._prepare(run[0].table, merged), run)]
             except Exception:  # noqa: BLE001 - one of them is bad: prepare each to find it
                 pass
         out: list[Op] = []
         for op in run:
             try:
-                live = store._live_table(op.table)
-                put = PutOp(prepare_put(live.tdef, op.data,
-                                        store._versions[live.tdef.version_group],
-                                        store.ref_threshold))
+                put = PutOp(store._prepare(op.table, op.data))
             except Exception as e:  # noqa: BLE001 - handed to this put's caller
                 _fail(op, e)
                 continue
