@@ -150,6 +150,22 @@ class LiveTable:
             heapq.heappush(self._heap, gk)
             group.in_heap = True
 
+    def add_ready_many(self, rows: list[Row], keys: list[Key]) -> None:
+        """:meth:`add_ready` for many new rows at once (a bulk put)."""
+        groups = self._groups
+        heap = self._heap
+        for row, key in zip(rows, keys):
+            row.state = READY
+            gk = (key[1], row.input_id)
+            group = groups.get(gk)
+            if group is None:
+                group = groups[gk] = _Group(gk)
+            group.ready[key] = row
+            if not group.in_heap:
+                heapq.heappush(heap, gk)
+                group.in_heap = True
+        self.ready_count += len(rows)
+
     def unready(self, row: Row) -> None:
         """Take a ready row out of the ready index (it becomes pending)."""
         if row.state != READY:

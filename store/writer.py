@@ -455,57 +455,18 @@ class Writer:
         set_mask = np.concatenate([p.set_mask for p, _ in batch])
         clear_mask = np.concatenate([p.clear_mask for p, _ in batch])
         n = len(keys)
-        rows_get = live.rows.get
         txn_rows = txn.new_rows.setdefault(tname, {})
-        txn_get = txn_rows.get
-        # Keys neither live nor new in this transaction may be terminal rows (consumed, stale,
-        # dead: an at-least-once producer re-sending); the write then updates them instead of
-        # failing on the primary key. The table's terminal index answers; without one, DuckDB.
-        terminal_index = live.terminal
         next_id = txn.next_row_id.get(tname, live.next_row_id)
-        ids: list[int] = [0] * n
-        new_flags: list[bool] = [False] * n
         terminal: set[int] = set()
-        for i, key in enumerate(keys):
-            row = rows_get(key)
-            if row is not None:
-                ids[i] = row.row_id
-                continue
-            known = txn_get(key)
-            if known is not None:
-                ids[i] = known
-                continue
-            if terminal_index is not None:
-                by_sid = terminal_index.get(key[1])
-                rid = by_sid.get(key[0]) if by_sid is not None else None
-                if rid is not None:
-                    ids[i] = rid
-                    terminal.add(rid)
-                    continue
-            ids[i] = next_id
-            txn_rows[key] = next_id
-            next_id += 1
-            new_flags[i] = True
-        row_ids = np.array(ids, np.int64)
-        is_new = np.array(new_flags, bool)
-        # No index (or it was given up while we looked: forget() fills it before a row leaves
-        # ``rows``, so only its removal can hide a key): ask DuckDB about the keys left.
-        if is_new.any() and (terminal_index is None or live.terminal is not terminal_index):
-            found = self._existing_rows(tname, [keys[i] for i in np.nonzero(is_new)[0]])
-            if found:
-                for i in np.nonzero(is_new)[0].tolist():
-                    rid = found.get(keys[i])
-                    if rid is not None:
-                        txn_rows.pop(keys[i], None)
-                        row_ids[i] = int(rid)
-                        is_new[i] = False
-                        terminal.add(int(rid))
-                # Re-number what is really new so row ids stay dense.
-                next_id = txn.next_row_id.get(tname, live.next_row_id)
-                for i in np.nonzero(is_new)[0].tolist():
-                    row_ids[i] = next_id
-                    txn_rows[keys[i]] = next_id
-                    next_id += 1
+        fresh = _all_fresh(live, txn_rows, keys)
+        if fresh:  # the bulk case: every row new, numbered in one step
+            row_ids = np.arange(next_id, next_id + n, dtype=np.int64)
+            txn_rows.update(zip(keys, range(next_id, next_id + n)))
+            next_id += n
+            is_new = np.ones(n, bool)
+        else:
+            row_ids, is_new, next_id = self._classify(live, tname, txn_rows, keys, next_id,
+                                                      terminal)
         txn.next_row_id[tname] = next_id
         physical = physical.append_column("row_id", pa.array(row_ids, pa.int64()))
         current = store._versions[live.tdef.version_group]
@@ -604,6 +565,22 @@ class Writer:
         sets = set_mask.tolist()
         clears = clear_mask.tolist()
 
+        def apply_fresh() -> None:
+            # Every row new (see _all_fresh): built and indexed in bulk, no per-key lookups.
+            if store._live.get(tname) is not live:
+                return  # dropped meanwhile
+            live.next_row_id = max(live.next_row_id, next_id)
+            made = list(map(Row, ids_list, [k[0] for k in keys], [k[1] for k in keys],
+                            input_ids, turns, trajs, sets))
+            if payload is not None:
+                for i in np.flatnonzero(complete).tolist():
+                    made[i].payload = (payload, i)
+            live.rows.update(zip(keys, made))
+            required = live.required_mask
+            ready = [i for i, mask in enumerate(sets) if mask & required == required]
+            live.add_ready_many([made[i] for i in ready], [keys[i] for i in ready])
+            txn.need_payload.extend((live, made[i]) for i in ready if made[i].payload is None)
+
         def apply() -> None:
             if store._live.get(tname) is not live:
                 return  # dropped meanwhile
@@ -641,7 +618,67 @@ class Writer:
                         txn.need_payload.append((live, row))
                 else:
                     live.unready(row)
-        txn.applies.append(apply)
+        txn.applies.append(apply_fresh if fresh else apply)
+
+    def _classify(self, live: LiveTable, tname: str, txn_rows: dict[tuple[str, int], int],
+                  keys: list[tuple[str, int]], next_id: int,
+                  terminal: set[int]) -> tuple[np.ndarray, np.ndarray, int]:
+        """Row ids of ``keys``: a live row's, one new earlier in this transaction's, a terminal
+        row's (added to ``terminal``: the write updates it) or a new one from ``next_id``.
+
+        Returns (row ids, which are new, the next free row id).
+        """
+        n = len(keys)
+        first_id = next_id
+        rows_get = live.rows.get
+        txn_get = txn_rows.get
+        # Keys neither live nor new in this transaction may be terminal rows (consumed, stale,
+        # dead: an at-least-once producer re-sending); the write then updates them instead of
+        # failing on the primary key. The table's terminal index answers; without one, DuckDB.
+        terminal_index = live.terminal
+        ids: list[int] = [0] * n
+        new_flags: list[bool] = [False] * n
+        for i, key in enumerate(keys):
+            row = rows_get(key)
+            if row is not None:
+                ids[i] = row.row_id
+                continue
+            known = txn_get(key)
+            if known is not None:
+                ids[i] = known
+                continue
+            if terminal_index is not None:
+                by_sid = terminal_index.get(key[1])
+                rid = by_sid.get(key[0]) if by_sid is not None else None
+                if rid is not None:
+                    ids[i] = rid
+                    terminal.add(rid)
+                    continue
+            ids[i] = next_id
+            txn_rows[key] = next_id
+            next_id += 1
+            new_flags[i] = True
+        row_ids = np.array(ids, np.int64)
+        is_new = np.array(new_flags, bool)
+        # No index (or it was given up while we looked: forget() fills it before a row leaves
+        # ``rows``, so only its removal can hide a key): ask DuckDB about the keys left.
+        if is_new.any() and (terminal_index is None or live.terminal is not terminal_index):
+            found = self._existing_rows(tname, [keys[i] for i in np.nonzero(is_new)[0]])
+            if found:
+                for i in np.nonzero(is_new)[0].tolist():
+                    rid = found.get(keys[i])
+                    if rid is not None:
+                        txn_rows.pop(keys[i], None)
+                        row_ids[i] = int(rid)
+                        is_new[i] = False
+                        terminal.add(int(rid))
+                # Re-number what is really new so row ids stay dense.
+                next_id = first_id
+                for i in np.nonzero(is_new)[0].tolist():
+                    row_ids[i] = next_id
+                    txn_rows[keys[i]] = next_id
+                    next_id += 1
+        return row_ids, is_new, next_id
 
     def _existing_rows(self, table: str, keys: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """Row ids of keys already in DuckDB (only terminal rows can be; live ones are known)."""
@@ -797,6 +834,30 @@ def registered(con: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> It
             con.unregister(name)
         except duckdb.Error:  # an aborted transaction refuses even this; ROLLBACK follows
             pass
+
+
+def _all_fresh(live: LiveTable, txn_rows: dict[tuple[str, int], int],
+               keys: list[tuple[str, int]]) -> bool:
+    """Whether every key is new: not live, not new earlier in this transaction, not a remembered
+    terminal row (False without a terminal index: DuckDB must be asked).
+
+    Why: a bulk put's keys are all new, and set operations check 4,096 of them in ~0.2 ms against
+    ~2 ms for the per-key loop of :meth:`Writer._classify`.
+    """
+    terminal = live.terminal
+    if terminal is None or not live.rows.keys().isdisjoint(keys) \
+            or not txn_rows.keys().isdisjoint(keys):
+        return False
+    if terminal:
+        versions = {v for _, v in keys}
+        for version in [v for v in versions if v in terminal]:
+            sids = (s for s, v in keys if v == version) if len(versions) > 1 else \
+                (s for s, _ in keys)
+            if not terminal[version].keys().isdisjoint(sids):
+                return False
+    # A row forgotten meanwhile is remembered before it leaves ``rows``, unless the index was
+    # given up (see Writer._classify).
+    return live.terminal is terminal
 
 
 def _bumps_apart(ops: list[Op]) -> list[list[Op]]:

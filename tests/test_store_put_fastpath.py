@@ -152,6 +152,75 @@ def test_an_update_that_misses_its_row_fails_the_write(open_store):
     assert _state(s)["ready"] == 2
 
 
+# -- bulk puts of new rows: numbered and indexed in one step -----------------------------------
+
+def test_all_fresh_sees_live_new_and_terminal_keys(open_store):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [{"sample_id": "live_0_0", "prompt": "p"}])             # live, pending
+    s.put("t", [_full("done_0_0")])
+    _consume_all(s)                                                     # terminal at version 0
+    live = s._live["t"]
+    fresh = store.writer._all_fresh
+    assert fresh(live, {}, [("x_0_0", 0), ("y_0_0", 0)])
+    assert not fresh(live, {}, [("x_0_0", 0), ("live_0_0", 0)])
+    assert not fresh(live, {("x_0_0", 0): 7}, [("y_0_0", 0), ("x_0_0", 0)])  # new in this txn
+    assert not fresh(live, {}, [("x_0_0", 0), ("done_0_0", 0)])
+    assert fresh(live, {}, [("x_0_0", 1), ("done_0_0", 1)])             # another version: new
+    assert not fresh(live, {}, [("x_0_0", 1), ("done_0_0", 0)])         # versions mixed
+    assert fresh(live, {}, [("done_0_0", 1), ("x_0_0", 0)])
+    with s._lock:
+        live.terminal = None                                            # given up: ask DuckDB
+    assert not fresh(live, {}, [("x_0_0", 0)])
+
+
+def _claimed(s, table="t"):
+    out = []
+    while claim := s.claim(table, 7):
+        out.append(claim.data.to_pylist())
+        s.ack(claim.claim_id)
+    return out
+
+
+def test_bulk_put_of_new_rows_matches_the_general_path(open_store, tmp_path, monkeypatch):
+    """The same writes through the bulk path and through the per-key one (forced) leave the
+    same table, the same states and the same claims, in the same order."""
+    sids = [f"in{i // 4}_{i % 2}_{i % 4}" for i in range(60)]
+    writes = [
+        [_full(sid, float(i)) for i, sid in enumerate(sids[:40])],         # new, complete
+        [{"sample_id": sid, "prompt": "only"} for sid in sids[40:]],        # new, pending
+        [_full(sid, 9.0) for sid in sids[35:45]],                           # live: updates
+        [{"sample_id": f"v{i}_0_0", "policy_version": 0, "reward": 1.0} for i in range(20)],
+    ]
+    results = []
+    for general in (False, True):
+        if general:
+            monkeypatch.setattr(store.writer, "_all_fresh", lambda *a: False)
+        s = open_store(str(tmp_path / f"g{general}.duckdb"))
+        s.create_table("t", COLUMNS)
+        for w in writes:
+            s.put("t", w)
+        before = (s.query(SNAPSHOT).to_pylist(), _state(s))
+        results.append((before, _claimed(s), _state(s)))
+        s.close()
+    assert repr(results[0]) == repr(results[1])
+    assert results[0][0][1]["ready"] == 45 and results[0][0][1]["pending"] == 35
+
+
+def test_bulk_parse_of_sample_ids_matches_parse_sample_id():
+    """The vectorised path (over SMALL_ROWS rows) cuts ids at their last two underscores."""
+    from store.naming import parse_sample_id
+    tricky = ["q1_0_0", "gsm8k_17_2_5", "a_b_c_d_3_4", "__x__12_999999999_0", "ü_1_2",
+              "x_007_010", "日本_3_4", "a__1_2"]
+    ids = tricky + [f"pad{i}_0_0" for i in range(prepare.SMALL_ROWS)]
+    p = prepare.prepare_put(TDEF, [{"sample_id": t} for t in ids], 0, 64)
+    got = list(zip(p.physical.column("input_id").to_pylist(),
+                   p.physical.column("turn").to_pylist(),
+                   p.physical.column("trajectory_id").to_pylist()))
+    want = [(x.input_id, x.turn, x.trajectory_id) for x in map(parse_sample_id, ids)]
+    assert got == want
+
+
 # -- INSERT … VALUES for a few new rows ---------------------------------------------------
 
 TYPES = {"b": "bool", "i8": "int8", "i32": "int32", "u64": "uint64", "f32": "float32",
