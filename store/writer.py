@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 from .blobs import keys_for
 from .errors import ExpstoreError, NotFound, StaleVersion, StorageError, StoreClosed, \
     VersionConflict
-from .live import LEASED, Lease, LiveTable, Row
+from .live import LEASED, Lease, LiveTable, Row, RowBlock
 from .naming import quote
 from .prepare import PreparedPut
 
@@ -565,6 +565,31 @@ class Writer:
         sets = set_mask.tolist()
         clears = clear_mask.tolist()
 
+        block: RowBlock | None = None
+        if fresh and payload is not None and all(complete):
+            required = live.required_mask
+            if all(mask & required == required for mask in sets):
+                # Every row new, ready and with its values at hand (the bulk case): indexed as
+                # one block, its rows built when a claim or a write first touches their group.
+                by_group: dict[tuple[int, str], list[int]] = {}
+                get = by_group.get
+                for i, gk in enumerate(zip([k[1] for k in keys], input_ids)):
+                    where = get(gk)
+                    if where is None:
+                        by_group[gk] = [i]
+                    else:
+                        where.append(i)
+                block = RowBlock(keys, ids_list, input_ids, turns, trajs, sets, payload,
+                                 list(by_group))
+                positions = list(by_group.values())
+
+        def apply_block() -> None:
+            if store._live.get(tname) is not live:
+                return  # dropped meanwhile
+            live.next_row_id = max(live.next_row_id, next_id)
+            assert block is not None
+            live.add_block(block, positions)
+
         def apply_fresh() -> None:
             # Every row new (see _all_fresh): built and indexed in bulk, no per-key lookups.
             if store._live.get(tname) is not live:
@@ -594,6 +619,8 @@ class Writer:
                 if terminal and rid in terminal:
                     continue
                 row = rows_get(key)
+                if isinstance(row, RowBlock):
+                    row = live.row(key)  # still in a bulk put's block: build it
                 if row is None:
                     if not new_list[i]:
                         continue  # consumed or gone since: nothing live to update
@@ -618,7 +645,8 @@ class Writer:
                         txn.need_payload.append((live, row))
                 else:
                     live.unready(row)
-        txn.applies.append(apply_fresh if fresh else apply)
+        txn.applies.append(apply_block if block is not None else
+                           apply_fresh if fresh else apply)
 
     def _classify(self, live: LiveTable, tname: str, txn_rows: dict[tuple[str, int], int],
                   keys: list[tuple[str, int]], next_id: int,
@@ -641,7 +669,7 @@ class Writer:
         for i, key in enumerate(keys):
             row = rows_get(key)
             if row is not None:
-                ids[i] = row.row_id
+                ids[i] = row.row_id_of(key) if isinstance(row, RowBlock) else row.row_id
                 continue
             known = txn_get(key)
             if known is not None:

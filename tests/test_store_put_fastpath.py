@@ -207,6 +207,54 @@ def test_bulk_put_of_new_rows_matches_the_general_path(open_store, tmp_path, mon
     assert results[0][0][1]["ready"] == 45 and results[0][0][1]["pending"] == 35
 
 
+def _blocked(s, table="t"):
+    """How many live rows are still held in bulk-put blocks (not built as objects)."""
+    return sum(type(r) is store.live.RowBlock for r in s._live[table].rows.values())
+
+
+def test_bulk_put_rows_stay_in_a_block_until_a_claim_or_write_touches_them(open_store):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_full(f"g{i // 8}_0_{i % 8}", float(i)) for i in range(40)])
+    assert _blocked(s) == 40 and _state(s)["ready"] == 40
+    claim = s.claim("t", 8)                                      # one whole group is built
+    assert claim.data.column("sample_id").to_pylist() == [f"g0_0_{t}" for t in range(8)]
+    assert claim.data.column("reward").to_pylist() == [float(t) for t in range(8)]
+    assert _blocked(s) == 32
+    s.put("t", [{"sample_id": "g1_0_3", "reward": -1.0}])        # a write builds its group
+    assert _blocked(s) == 24
+    s.put("t", [{"sample_id": "g2_0_0", "reward_status": False}])  # and may make it pending
+    st = _state(s)
+    assert (st["processing"], st["ready"], st["pending"]) == (8, 31, 1)
+    got = {r["sample_id"]: r["reward"] for r in s.claim("t", 100).data.to_pylist()}
+    assert len(got) == 31 and got["g1_0_3"] == -1.0 and "g2_0_0" not in got
+    assert _blocked(s) == 0
+
+
+def test_group_claims_take_rows_from_several_blocks(open_store):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_full(f"q{i}_0_{t}") for i in range(3) for t in range(4)] * 1)
+    s.put("t", [_full(f"q{i}_0_{t}") for i in range(3) for t in range(4, 8)])
+    assert _blocked(s) == 24
+    claim = s.claim("t", 16, group_by="input_id", group_size=8)
+    assert claim.data.column("sample_id").to_pylist() == [
+        f"q{i}_0_{t}" for i in range(2) for t in range(8)]
+
+
+def test_a_bump_marks_rows_of_blocks_stale(open_store):
+    s = open_store()
+    s.create_table("t", COLUMNS, max_staleness=1)
+    s.put("t", [_full(f"a{i}_0_0") for i in range(20)])
+    assert _blocked(s) == 20
+    s.bump_version("t")
+    assert _state(s)["ready"] == 20                            # within the staleness bound
+    s.bump_version("t")
+    assert _state(s) == {"pending": 0, "ready": 0, "processing": 0, "consumed": 0,
+                         "stale": 20, "dead": 0}
+    assert not s.claim("t", 100) and _blocked(s) == 0
+
+
 def test_bulk_parse_of_sample_ids_matches_parse_sample_id():
     """The vectorised path (over SMALL_ROWS rows) cuts ids at their last two underscores."""
     from store.naming import parse_sample_id
