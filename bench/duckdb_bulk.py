@@ -3,6 +3,11 @@
 Every 4,096-row batch is one ``INSERT … SELECT`` committed on its own (what a durable 4,096-row
 put costs at least); a single whole-table insert is reported beside it. Wide rows are stored by
 value, and the explicit ``CHECKPOINT`` afterwards (string compression) is timed on its own.
+
+One more figure is not a baseline but what is in the way: the same narrow rows inserted straight
+into a table of the store's own layout (made by ``store.create_table``: meta, lease and status
+columns, the primary key), in 32,768-row transactions, with the store's DuckDB settings: what
+DuckDB alone does with that layout, the ceiling of the store's narrow ingest.
 """
 
 from __future__ import annotations
@@ -56,6 +61,43 @@ def _insert_whole(path: Path, ddl: str, table: pa.Table) -> float:
         con.close()
 
 
+STORE_LAYOUT_ROWS = 32_768
+# The writer's INSERT of new rows, without the server: ids parsed by DuckDB, every status true.
+STORE_LAYOUT_INSERT = (
+    "INSERT INTO narrow (row_id, sample_id, input_id, turn, trajectory_id, policy_version, "
+    "finished_version, created_at, updated_at, reward, done, truncated, correct, tag, "
+    "reward_status, done_status, truncated_status, correct_status, tag_status) "
+    "SELECT row_id, sample_id, split_part(sample_id, '_', 1), 0, 0, 0, 0, now(), now(), reward, "
+    "done, truncated, correct, tag, true, true, true, true, true FROM incoming")
+
+
+def _insert_store_layout(path: Path, table: pa.Table) -> float | None:
+    """Rows/s of ``table`` inserted into a table of the store's layout (None: no store package)."""
+    try:
+        import store
+        from store.opening import duckdb_config
+    except ImportError:
+        return None
+    from bench.workloads import NARROW_COLUMNS
+
+    s = store.connect(str(path))
+    s.create_table("narrow", dict(NARROW_COLUMNS))
+    s.close()
+    con = duckdb.connect(str(path), config=duckdb_config(None))
+    try:
+        table = table.append_column("row_id", pa.array(range(table.num_rows), pa.int64()))
+        t0 = time.perf_counter()
+        for start in range(0, table.num_rows, STORE_LAYOUT_ROWS):
+            con.execute("BEGIN TRANSACTION")
+            con.register("incoming", table.slice(start, STORE_LAYOUT_ROWS))
+            con.execute(STORE_LAYOUT_INSERT)
+            con.unregister("incoming")
+            con.execute("COMMIT")
+        return table.num_rows / (time.perf_counter() - t0)
+    finally:
+        con.close()
+
+
 def run(ctx: Ctx) -> None:
     narrow = rebatch(narrow_table(ctx.pick(250_000, 1_000_000)))
     wide = rebatch(wide_table(ctx.pick(1024, 2048)), 512)
@@ -70,6 +112,10 @@ def run(ctx: Ctx) -> None:
                                  for i in range(repeats))
         ctx.record("narrow_whole_rows_per_s", narrow.num_rows / secs, "rows/s",
                    "narrow, one whole-table insert")
+        rate = _insert_store_layout(Path(tmp, "store-layout.duckdb"), narrow)
+        if rate is not None:
+            ctx.record("narrow_store_layout_rows_per_s", rate, "rows/s",
+                       "narrow, store's table layout, 32 k-row commits")
         insert_s, checkpoint_s = _insert_batches(Path(tmp, "w.duckdb"), WIDE_DDL, wide)
         ctx.record("wide_mb_per_s", mb(wide) / insert_s, "MB/s",
                    "wide by value, 512-row inserts, one commit each")
