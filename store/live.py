@@ -383,12 +383,20 @@ class LiveTable:
         """The first ``limit`` ready rows in order (candidates for a predicate)."""
         return self.select(limit)
 
-    def stale_rows(self, bound: int) -> list[Row]:
-        """Live rows older than ``bound`` that are not under a lease."""
+    def build_blocks_below(self, bound: int) -> None:
+        """Build the rows of every block holding a version below ``bound`` (before
+        :meth:`stale_rows`)."""
         for block in [b for b in self._blocks if b.min_version < bound]:
             for gk in block.group_keys:
                 group = self._groups.get(gk)
                 if group is not None:
                     self._materialise(group)
+
+    def stale_rows(self, bound: int) -> list[Row]:
+        """Live rows older than ``bound`` that are not under a lease; rows still in blocks are
+        not seen (:meth:`build_blocks_below` first).
+
+        The writer calls this without the index lock: only it adds or removes keys of ``rows``.
+        """
         return [r for r in self.rows.values()
                 if isinstance(r, Row) and r.version < bound and r.state != LEASED]

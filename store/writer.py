@@ -798,7 +798,10 @@ class Writer:
         for live in store._live.values():
             if live.tdef.version_group != op.group:
                 continue
-            rows = live.stale_rows(new - live.tdef.max_staleness)
+            bound = new - live.tdef.max_staleness
+            with store._lock:  # building rows of blocks changes the ready index claims read
+                live.build_blocks_below(bound)
+            rows = live.stale_rows(bound)
             if rows:
                 con.execute(f"UPDATE {quote(live.tdef.name)} SET stale = true, updated_at = now() "
                             "WHERE row_id IN (SELECT unnest(?::BIGINT[]))",
