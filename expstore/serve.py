@@ -86,11 +86,11 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
             # itself on a signal, waiting for every open call before our handler may run; a
             # client's open session never ends that way (it needs the "closing" message that
             # our shutdown sends first). So the main thread stays in Python, where the handler
-            # runs, while another thread waits for the server to stop.
-            waiter = threading.Thread(target=server.wait, name="expstore-serve", daemon=True)
-            waiter.start()
-            while waiter.is_alive():
-                waiter.join(0.5)
+            # runs, until the shutdown a signal started has finished. (Not server.wait() on
+            # another thread: pyarrow's wait() running while shutdown() releases the server
+            # crashed the process now and then with "double free or corruption".)
+            while not stopper.finished(0.5):
+                pass
         else:
             server.serve()
         stopper.join()
@@ -111,15 +111,26 @@ class _Stopper:
         self.signum: int | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._done = threading.Event()
 
     def on_signal(self, signum: int, frame: object) -> None:
         with self._lock:
             if self._thread is not None:
                 return
             self.signum = signum
-            self._thread = threading.Thread(target=self.server.shutdown,
-                                            name="expstore-shutdown", daemon=True)
+            self._thread = threading.Thread(target=self._shutdown, name="expstore-shutdown",
+                                            daemon=True)
             self._thread.start()
+
+    def _shutdown(self) -> None:
+        try:
+            self.server.shutdown()
+        finally:
+            self._done.set()
+
+    def finished(self, timeout: float) -> bool:
+        """Whether a signal's shutdown has finished (waits up to ``timeout`` seconds)."""
+        return self._done.wait(timeout)
 
     def join(self) -> None:
         if self._thread is not None:

@@ -83,6 +83,10 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         self._stopping = threading.Event()
         self._sessions: set[ActionSession] = set()
         self._sessions_lock = threading.Lock()
+        # pyarrow's shutdown() may be called once only (a second call releases its reference to
+        # this object again): later calls wait for the first to finish.
+        self._shutdown_lock = threading.Lock()
+        self._shut_down = False
         self.metrics = Metrics(self.store)
         try:
             super().__init__(f"{scheme}://{host}:{port}", tls_certificates=tls,
@@ -277,7 +281,10 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         for session in sessions:
             session.close()
         self.store.wake()
-        super().shutdown()
+        with self._shutdown_lock:
+            if not self._shut_down:
+                super().shutdown()
+                self._shut_down = True
 
     def close(self) -> None:
         """Stop serving and close the store (if this server opened it)."""

@@ -200,6 +200,25 @@ def test_server_stops_on_a_signal_while_a_client_holds_a_session_open(start_serv
             {"a": 1, "consumed": True}, {"a": 2, "consumed": True}, {"a": 3, "consumed": False}]
 
 
+@pytest.mark.slow
+def test_server_survives_many_stops_with_a_session_open(start_server, tmp_path):
+    """Crash loop: stopping with a session open once crashed the process now and then ("double
+    free or corruption": pyarrow's wait() on one thread while shutdown() ran on another, about
+    1 stop in 30). Each stop must exit 0."""
+    for i in range(60):
+        db = tmp_path / f"c{i}.duckdb"
+        server = start_server("-m", "flight_server", "--db", str(db), "--port", "0")
+        s = store.connect(server.wait_ready().split()[2])
+        try:
+            s.create_table("t", {"a": "int64"})
+            s.put("t", {"sample_id": ["q1_0_0", "q2_0_0"], "a": [1, 2]})
+            s.ack(s.claim("t", 1).claim_id)
+            rc = server.stop(signal.SIGINT if i % 2 else signal.SIGTERM)
+            assert rc == 0, f"stop {i} exited {rc}: {server.stderr_path.read_text()[-2000:]}"
+        finally:
+            s.close()
+
+
 def test_expstore_serve_stops_on_sigint(start_server, tmp_path):
     db = tmp_path / "y.duckdb"
     server = start_server("-m", "expstore.cli", "serve", "--db", str(db), "--port", "0")
