@@ -192,22 +192,6 @@ class LiveTable:
             heapq.heappush(self._heap, gk)
             group.in_heap = True
 
-    def add_ready_many(self, rows: list[Row], keys: list[Key]) -> None:
-        """:meth:`add_ready` for many new rows at once (a bulk put)."""
-        groups = self._groups
-        heap = self._heap
-        for row, key in zip(rows, keys):
-            row.state = READY
-            gk = (key[1], row.input_id)
-            group = groups.get(gk)
-            if group is None:
-                group = groups[gk] = _Group(gk)
-            group.ready[key] = row
-            if not group.in_heap:
-                heapq.heappush(heap, gk)
-                group.in_heap = True
-        self.ready_count += len(rows)
-
     def add_block(self, block: RowBlock, positions: list[list[int]]) -> None:
         """Index the ready rows of a bulk put (``positions[g]``: the block's rows in group
         ``block.group_keys[g]``) without building them."""

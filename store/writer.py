@@ -590,22 +590,6 @@ class Writer:
             assert block is not None
             live.add_block(block, positions)
 
-        def apply_fresh() -> None:
-            # Every row new (see _all_fresh): built and indexed in bulk, no per-key lookups.
-            if store._live.get(tname) is not live:
-                return  # dropped meanwhile
-            live.next_row_id = max(live.next_row_id, next_id)
-            made = list(map(Row, ids_list, [k[0] for k in keys], [k[1] for k in keys],
-                            input_ids, turns, trajs, sets))
-            if payload is not None:
-                for i in np.flatnonzero(complete).tolist():
-                    made[i].payload = (payload, i)
-            live.rows.update(zip(keys, made))
-            required = live.required_mask
-            ready = [i for i, mask in enumerate(sets) if mask & required == required]
-            live.add_ready_many([made[i] for i in ready], [keys[i] for i in ready])
-            txn.need_payload.extend((live, made[i]) for i in ready if made[i].payload is None)
-
         def apply() -> None:
             if store._live.get(tname) is not live:
                 return  # dropped meanwhile
@@ -645,8 +629,7 @@ class Writer:
                         txn.need_payload.append((live, row))
                 else:
                     live.unready(row)
-        txn.applies.append(apply_block if block is not None else
-                           apply_fresh if fresh else apply)
+        txn.applies.append(apply_block if block is not None else apply)
 
     def _classify(self, live: LiveTable, tname: str, txn_rows: dict[tuple[str, int], int],
                   keys: list[tuple[str, int]], next_id: int,
