@@ -86,9 +86,7 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
             # itself on a signal, waiting for every open call before our handler may run; a
             # client's open session never ends that way (it needs the "closing" message that
             # our shutdown sends first). So the main thread stays in Python, where the handler
-            # runs, until the shutdown a signal started has finished. (Not server.wait() on
-            # another thread: pyarrow's wait() running while shutdown() releases the server
-            # crashed the process now and then with "double free or corruption".)
+            # runs, until the shutdown a signal started has finished.
             while not stopper.finished(0.5):
                 pass
         else:

@@ -352,9 +352,11 @@ class _PutAnswers:
             raise self._failure
 
     def finish(self) -> None:
-        """Wait until every submitted batch is answered (or failed)."""
+        """Wait until every submitted batch is answered (or failed); then let go of the call's
+        writer, which must be destroyed inside the call (see ActionSession._let_go_of_stream)."""
         self._queue.put(None)
         self._done.result()
+        self._writer = None  # type: ignore[assignment]
 
 
 def _flight_sql_handler(store: EmbeddedStore) -> Any:

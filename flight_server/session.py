@@ -131,6 +131,21 @@ class ActionSession:
         finally:
             self._durable.put(None)
             durable.result()
+            self._let_go_of_stream()
+
+    def _let_go_of_stream(self) -> None:
+        """Drop our references to the call's reader and writer before the handler returns.
+
+        pyarrow's reader and writer own C++ objects that point into the gRPC call, which is
+        freed when the handler returns. Whoever drops the last reference destroys them: that
+        must be the handler's own frame, inside the call. Otherwise a thread that still holds
+        this session a moment longer (the pool thread that ran ``_answer_durable``, a shutdown
+        closing sessions) destroys them after the call is gone, and the heap is corrupted:
+        servers stopped with a session open died now and then with "double free or corruption".
+        """
+        with self._write_lock:
+            self._broken = True  # close() after this writes nothing
+            self._reader = self._writer = None  # type: ignore[assignment]
 
     def close(self) -> None:
         """The server is shutting down: ask the client to end the stream."""

@@ -203,8 +203,8 @@ def test_server_stops_on_a_signal_while_a_client_holds_a_session_open(start_serv
 @pytest.mark.slow
 def test_server_survives_many_stops_with_a_session_open(start_server, tmp_path):
     """Crash loop: stopping with a session open once crashed the process now and then ("double
-    free or corruption": pyarrow's wait() on one thread while shutdown() ran on another, about
-    1 stop in 30). Each stop must exit 0."""
+    free or corruption", about 1 stop in 30: a pool thread that still held the session destroyed
+    pyarrow's reader and writer after their call was gone). Each stop must exit 0."""
     for i in range(60):
         db = tmp_path / f"c{i}.duckdb"
         server = start_server("-m", "flight_server", "--db", str(db), "--port", "0")
