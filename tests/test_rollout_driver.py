@@ -2,7 +2,6 @@
 streamed partial responses."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -15,6 +14,7 @@ from producers.rollout.driver import ROLLOUT_COLUMNS, RolloutDriver, RolloutRequ
 from producers.rollout.tiny_lm import ByteTokenizer, TinyLMBackend, build_tiny_lm  # noqa: E402
 from producers.rollout.weights import publish_state_dict  # noqa: E402
 from producers.writer import ExperienceWriter  # noqa: E402
+from thread_helpers import run_threads  # noqa: E402
 
 COLUMNS = {**ROLLOUT_COLUMNS, "next_agent_id": "int32"}
 
@@ -197,17 +197,7 @@ def test_parts_of_different_samples_in_one_batch_claim_complete(s) -> None:
 def test_concurrent_rollouts_share_one_backend(s) -> None:
     with ExperienceWriter(s, "solver") as w:
         driver = RolloutDriver(TinyLMBackend(seed=0), w, length_reward, n=2, max_new_tokens=4)
-        errors: list[BaseException] = []
-
-        def work(i: int) -> None:
-            try:
-                driver.rollout(RolloutRequest(f"q{i}", f"p{i}"))
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
+        errors = run_threads(lambda i: driver.rollout(RolloutRequest(f"q{i}", f"p{i}")), 6,
+                             timeout=30)
     assert not errors and driver.samples_written == 12
     assert s.stats("solver")["solver"]["ready"] == 12

@@ -3,7 +3,6 @@ input, roles, and RemoteStore.put / put_async choosing the session or a do_put s
 from __future__ import annotations
 
 import json
-import threading
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -13,6 +12,7 @@ import store
 from flight_fixtures import TOKENS, running_server, write_tokens
 from flight_server.client import SESSION_PUT_ROWS, RemoteStore
 from test_flight_session import RawSession
+from thread_helpers import run_threads
 from waiting import wait_until
 
 
@@ -178,21 +178,12 @@ def test_remote_put_async_keeps_many_puts_in_flight(server):
 
 def test_many_producers_on_their_own_sessions(server):
     """64 producer threads, each with its own client: every put lands exactly once."""
-    errors: list[BaseException] = []
-
     def produce(k: int) -> None:
-        try:
-            with store.connect(server.location) as s:
-                for i in range(20):
-                    s.put("solver", {"sample_id": [f"p{k}x{i}_0_0"], "reward": [float(k)]})
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        with store.connect(server.location) as s:
+            for i in range(20):
+                s.put("solver", {"sample_id": [f"p{k}x{i}_0_0"], "reward": [float(k)]})
 
-    threads = [threading.Thread(target=produce, args=(k,)) for k in range(64)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    errors = run_threads(produce, 64, timeout=120)
     assert not errors, errors[:3]
     counts = server.store.query(
         "SELECT count(*) AS n, count(DISTINCT sample_id) AS d, sum(reward) AS r FROM solver"

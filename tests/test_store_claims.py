@@ -9,6 +9,7 @@ import pytest
 
 from store import ClaimRequest
 from store.errors import InvalidArgument, LeaseExpired, NotFound, QueryRefused
+from thread_helpers import run_threads
 
 ORDER_COLS = ["policy_version", "input_id", "turn", "trajectory_id"]
 
@@ -373,40 +374,32 @@ def test_concurrent_claims_and_nacks_keep_rows_exclusive(any_store):
     lock = threading.Lock()
     violations: list[str] = []
     consumed: list[str] = []
-    errors: list[BaseException] = []
 
     def worker(k: int) -> None:
         rng = random.Random(k)
         deadline = time.monotonic() + 30
-        try:
-            while time.monotonic() < deadline:
-                claim = s.claim("t", 5, consumer=f"w{k}")
-                if not claim:
-                    if s.stats("t")["t"]["consumed"] == n:
-                        return
-                    time.sleep(0.001)
-                    continue
-                ids = _ids(claim)
-                with lock:
-                    for sid in ids:
-                        if sid in holders:
-                            violations.append(sid)
-                        holders[sid] = k
-                ack = rng.random() < 0.6
-                with lock:
-                    for sid in ids:
-                        holders.pop(sid, None)
-                    if ack:
-                        consumed.extend(ids)
-                (s.ack if ack else s.nack)(claim.claim_id)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        while time.monotonic() < deadline:
+            claim = s.claim("t", 5, consumer=f"w{k}")
+            if not claim:
+                if s.stats("t")["t"]["consumed"] == n:
+                    return
+                time.sleep(0.001)
+                continue
+            ids = _ids(claim)
+            with lock:
+                for sid in ids:
+                    if sid in holders:
+                        violations.append(sid)
+                    holders[sid] = k
+            ack = rng.random() < 0.6
+            with lock:
+                for sid in ids:
+                    holders.pop(sid, None)
+                if ack:
+                    consumed.extend(ids)
+            (s.ack if ack else s.nack)(claim.claim_id)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    errors = run_threads(worker, 3, timeout=60)
     assert not errors, errors
     assert not violations
     assert sorted(consumed) == sorted(f"q{i:04d}_0_0" for i in range(n))

@@ -15,6 +15,7 @@ import pytest
 
 from store.errors import InvalidArgument, NotFound, SchemaMismatch, StaleVersion
 from store.writer import CallOp
+from thread_helpers import run_threads
 
 COLUMNS = {"prompt": "string", "reward": "float64"}
 SNAPSHOT = ("SELECT * EXCLUDE (updated_at, created_at, row_id) FROM {} "
@@ -133,20 +134,11 @@ def test_merged_puts_store_what_puts_one_by_one_store(open_store, tmp_path):
 def test_many_threads_of_one_sample_puts(open_store):
     s = open_store()
     s.create_table("t", COLUMNS)
-    errors: list[BaseException] = []
-
     def produce(k: int) -> None:
-        try:
-            for i in range(25):
-                assert s.put("t", one(f"k{k}n{i}_0_0", prompt="p", reward=float(k)))["rows"] == 1
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for i in range(25):
+            assert s.put("t", one(f"k{k}n{i}_0_0", prompt="p", reward=float(k)))["rows"] == 1
 
-    threads = [threading.Thread(target=produce, args=(k,)) for k in range(32)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    errors = run_threads(produce, 32, timeout=120)
     assert not errors, errors[:3]
     assert s.stats("t")["t"]["ready"] == 800
     assert s.query("SELECT sum(reward) AS r FROM t").to_pylist() == [
