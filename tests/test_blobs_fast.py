@@ -1,6 +1,7 @@
 """Blob segment writes: O_DIRECT to 4 KiB-aligned offsets (zero padding between group commits)
 and the buffered fallback, both readable, both cut a failed write off again; segments written by
-the code before O_DIRECT (no padding) still read, and a store appends after them."""
+the code before O_DIRECT (no padding, CRC-32 chunks) still read, and a store appends after them;
+chunks carry a checksum that every read checks."""
 from __future__ import annotations
 
 import errno
@@ -18,6 +19,7 @@ import zlib
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
+import xxhash
 
 import store
 import store.blobs as blobs
@@ -57,16 +59,54 @@ BIG = 600 << 10                      # above DIRECT_MIN_BYTES: written with O_DI
 SMALL = 3000                         # below it: buffered, at an aligned start all the same
 
 
-def test_serialize_chunk_layout_is_unchanged():
-    """CRC-32 of the IPC stream, then the stream: the bytes the pre-O_DIRECT code wrote."""
+def test_serialize_chunk_layout():
+    """Magic, four zero bytes, the XXH3-64 of the IPC stream, then the stream (the same stream
+    bytes as format 1, which put a CRC-32 in front of them)."""
     arr = _values(50, 700, "s")
+    body = _ipc_stream(arr)
+    digest = xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
+    assert serialize_chunk_buffer(arr).to_pybytes() == b"EXB2" + bytes(4) + digest + body
+
+
+def test_chunk_body_checks_either_format_and_refuses_damage():
+    arr = _values(20, 300, "f")
+    body = _ipc_stream(arr)
+    new = serialize_chunk_buffer(arr).to_pybytes()
+    old = _old_serialize_chunk(arr)
+    assert bytes(blobs.chunk_body(new)) == body
+    assert bytes(blobs.chunk_body(old)) == body
+    for chunk in (new, old):
+        for pos in (0, 5, 9, len(chunk) // 2, len(chunk) - 1):  # header, digest, body
+            damaged = bytearray(chunk)
+            damaged[pos] ^= 0x20
+            assert blobs.chunk_body(bytes(damaged)) is None, pos
+    # A new chunk whose bytes 4-8 turned into IPC's marker is read as format 1: still refused.
+    assert blobs.chunk_body(new[:4] + b"\xff" * 4 + new[8:]) is None
+    assert blobs.chunk_body(b"") is None and blobs.chunk_body(b"EXB2") is None
+
+
+def test_damaged_chunk_is_reported_corrupt_on_read(tmp_path, monkeypatch):
+    b = _open(str(tmp_path / "blobs"), False, monkeypatch)
+    arrays = [_values(30, 500, "a"), _values(30, 500, "b")]
+    keys = _put(b, arrays)
+    segment, offset, _ = keys[1].split(":")
+    with open(b._path(int(segment)), "r+b") as f:
+        f.seek(int(offset) + 100)
+        byte = f.read(1)
+        f.seek(int(offset) + 100)
+        f.write(bytes([byte[0] ^ 1]))
+    fresh = BlobStore(str(tmp_path / "blobs"))
+    _check(fresh, keys[:1], arrays[:1])
+    with pytest.raises(StorageError, match="is corrupt: its header or checksum"):
+        fresh.resolve([f"{keys[1]}:0"], arrays[1].type)
+
+
+def _ipc_stream(values: pa.Array) -> bytes:
     sink = io.BytesIO()
-    batch = pa.record_batch([arr], names=["v"])
+    batch = pa.record_batch([values], names=["v"])
     with pa.ipc.new_stream(sink, batch.schema) as w:
         w.write_batch(batch)
-    body = sink.getvalue()
-    old = zlib.crc32(body).to_bytes(4, "little") + body
-    assert serialize_chunk_buffer(arr).to_pybytes() == old
+    return sink.getvalue()
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
