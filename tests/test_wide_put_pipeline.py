@@ -1,0 +1,180 @@
+"""Wide puts run as a pipeline: the server prepares a large batch on a pool thread while it
+receives the next (in stream order), and the writer writes a group's blob chunks on its blob
+thread while the group's statements run (the COMMIT waits for them). Order, answers,
+durability and failures on either side are checked here, through the real server and store."""
+from __future__ import annotations
+
+import errno
+import json
+import threading
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+import store
+import store.blobs as blobs
+import store.writer as writer
+from flight_fixtures import query, running_server
+from flight_server.server import PREPARE_APART_BYTES
+from store.errors import InvalidArgument, StaleVersion, StorageError
+
+COLUMNS = {"prompt": "string", "response": "string", "reward": "float64"}
+ROWS = 100
+WIDTH = 12_000                       # 100 rows of 12 KB: a 1.2 MB batch, a 1.2 MB blob chunk
+
+
+def _text(tag: str, i: int) -> str:
+    return (f"{tag}-{i}:" + "abcdefghij" * (WIDTH // 10))[:WIDTH]
+
+
+def _batch(tag: str, *, prompt: bool = False, response: bool = False,
+           reward: float | None = None, ids: list[str] | None = None) -> pa.RecordBatch:
+    ids = ids or [f"s{i}_0_0" for i in range(ROWS)]
+    n = len(ids)
+    return pa.record_batch({
+        "sample_id": pa.array(ids, pa.large_string()),
+        "prompt": pa.array([_text(f"p{tag}", i) for i in range(n)] if prompt else [None] * n,
+                           pa.large_string()),
+        "response": pa.array([_text(f"r{tag}", i) for i in range(n)] if response
+                             else [None] * n, pa.large_string()),
+        "reward": pa.array([reward] * n, pa.float64()),
+    })
+
+
+def _stream(client: flight.FlightClient,
+            batches: list[pa.RecordBatch]) -> tuple[list, Exception | None]:
+    """Send every batch first, then read the answers (the server pipelines them)."""
+    writer_, reader = client.do_put(flight.FlightDescriptor.for_path("t"), batches[0].schema)
+    answers, error = [], None
+    try:
+        for b in batches:
+            writer_.write_batch(b)
+        writer_.done_writing()
+        while (buf := reader.read()) is not None:
+            answers.append(json.loads(buf.to_pybytes()))
+        writer_.close()
+    except flight.FlightError as e:
+        error = e
+    return answers, error
+
+
+def test_large_batches_are_prepared_apart_and_applied_in_stream_order(tmp_path):
+    assert _batch("x", prompt=True).nbytes >= PREPARE_APART_BYTES
+    with running_server(tmp_path / "w.duckdb") as srv:
+        s = store.connect(f"grpc://127.0.0.1:{srv.port}")
+        try:
+            s.create_table("t", COLUMNS)
+            with flight.FlightClient(srv.location) as c:
+                # prompt, then response, then a small reward-only batch (prepared inline), then
+                # another response that must win over the first: order across both paths.
+                answers, error = _stream(c, [
+                    _batch("1", prompt=True), _batch("1", response=True),
+                    _batch("s", reward=0.5), _batch("2", response=True)])
+                assert error is None
+                assert [a["batch"] for a in answers] == [0, 1, 2, 3]
+                assert all(a["rows"] == ROWS for a in answers)
+                got = query(c, "SELECT * FROM t ORDER BY sample_id").to_pylist()
+        finally:
+            s.close()
+    assert len(got) == ROWS
+    for row in got:
+        i = int(row["sample_id"].split("_")[0][1:])
+        assert row["prompt"] == _text("p1", i)
+        assert row["response"] == _text("r2", i)
+        assert row["reward"] == 0.5
+    # Reopened from the file: what was answered is there, blobs included.
+    with store.connect(str(tmp_path / "w.duckdb")) as again:
+        rows = again.query("SELECT * FROM t WHERE sample_id = 's7_0_0'").to_pylist()
+    assert [r["response"] for r in rows] == [_text("r2", 7)]
+
+
+def test_a_bad_large_batch_fails_the_stream_and_keeps_what_came_before(tmp_path):
+    with running_server(tmp_path / "w.duckdb") as srv:
+        with flight.FlightClient(srv.location) as c:
+            s = store.connect(f"grpc://127.0.0.1:{srv.port}")
+            try:
+                s.create_table("t", COLUMNS)
+            finally:
+                s.close()
+            bad = _batch("b", prompt=True, ids=[f"b{i}_0_0" for i in range(ROWS - 1)]
+                         + ["not-a-sample-id"])
+            answers, error = _stream(c, [_batch("1", prompt=True), bad,
+                                         _batch("3", prompt=True, ids=[f"z{i}_0_0"
+                                                                      for i in range(ROWS)])])
+            assert error is not None and "not-a-sample-id" in str(error)
+            assert [a["batch"] for a in answers] == [0]
+            counts = query(c, "SELECT substr(sample_id, 1, 1) AS k, count(*) AS n FROM t "
+                              "GROUP BY 1 ORDER BY 1").to_pylist()
+    assert counts == [{"k": "s", "n": ROWS}]
+
+
+def _wide(s, tag: str, ids: range, **extra) -> dict:
+    return {"sample_id": [f"{tag}{i}_0_0" for i in ids],
+            "prompt": [_text(tag, i) for i in ids], **extra}
+
+
+def _blob_threads(monkeypatch) -> list[str]:
+    """Record which thread runs each blob sync (observes the real BlobStore.sync)."""
+    seen: list[str] = []
+    real = blobs.BlobStore.sync
+
+    def sync(self):
+        if self.pending_bytes:
+            seen.append(threading.current_thread().name)
+        return real(self)
+
+    monkeypatch.setattr(blobs.BlobStore, "sync", sync)
+    return seen
+
+
+def test_a_large_group_writes_its_blobs_on_the_blob_thread(embedded_store, monkeypatch):
+    s = embedded_store
+    s.create_table("t", COLUMNS)
+    seen = _blob_threads(monkeypatch)
+    s.put("t", _wide(s, "a", range(ROWS)))        # 1.2 MB of chunks: overlapped
+    s.put("t", _wide(s, "b", range(3)))           # 36 KB: inline, on the writer's thread
+    assert seen[0].startswith("expstore-blob-io") and seen[1] == "expstore-writer"
+    rows = s.query("SELECT * FROM t").to_pylist()
+    assert {r["sample_id"]: r["prompt"] for r in rows} == \
+        {f"{t}{i}_0_0": _text(t, i) for t, n in (("a", ROWS), ("b", 3)) for i in range(n)}
+
+
+def test_a_failed_overlapped_blob_write_commits_nothing(embedded_store, monkeypatch):
+    s = embedded_store
+    s.create_table("t", COLUMNS)
+    s.put("t", _wide(s, "a", range(ROWS)))
+    real_fsync = blobs.os.fsync
+
+    def no_space(fd):
+        if threading.current_thread().name.startswith("expstore-blob-io"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(blobs.os, "fsync", no_space)
+    with pytest.raises(StorageError, match="No space left"):
+        s.put("t", _wide(s, "lost", range(ROWS)))
+    monkeypatch.undo()
+    s.put("t", _wide(s, "c", range(ROWS)))
+    got = s.query("SELECT substr(sample_id, 1, 1) AS k, count(*) AS n FROM t "
+                  "GROUP BY 1 ORDER BY 1").to_pylist()
+    assert got == [{"k": "a", "n": ROWS}, {"k": "c", "n": ROWS}]
+    rows = s.query("SELECT * FROM t ORDER BY sample_id").to_pylist()
+    assert {r["sample_id"]: r["prompt"] for r in rows} == \
+        {f"{t}{i}_0_0": _text(t, i) for t in "ac" for i in range(ROWS)}
+
+
+def test_a_failed_statement_waits_for_the_blob_write_and_commits_nothing(embedded_store):
+    s = embedded_store
+    s.create_table("t", COLUMNS)
+    assert ROWS * WIDTH >= writer.OVERLAP_BLOB_BYTES
+    # Version 5 is ahead of the table's version 0: refused by the writer after it started
+    # writing the put's chunks.
+    with pytest.raises(StaleVersion, match="policy_version 5 is ahead"):
+        s.put("t", _wide(s, "v", range(ROWS), policy_version=[5] * ROWS))
+    with pytest.raises(InvalidArgument):
+        s.put("t", _wide(s, "w", range(ROWS), reward=["x"] * ROWS))
+    s.put("t", _wide(s, "ok", range(ROWS)))
+    assert s.query("SELECT count(*) AS n FROM t").to_pylist() == [{"n": ROWS}]
+    assert [r["prompt"] for r in s.query("SELECT * FROM t WHERE sample_id = 'ok9_0_0'")
+            .to_pylist()] == [_text("ok", 9)]
