@@ -10,8 +10,9 @@ XXH3-64 (little-endian). Arrow IPC has no checksum of its own; without one, dama
 still parse (text overwritten by other text) would be served as values. Chunks written before
 this header (format 1) start with the stream's CRC-32 instead, directly followed by the stream,
 whose first four bytes are IPC's continuation marker ``0xFFFFFFFF``; bytes 4–8 tell the two
-formats apart, and both are read. XXH3 replaced CRC-32 because checksumming was a fifth of the
-server's CPU for wide rows: CRC-32 runs at 3–4 GB/s here, XXH3 at ~18 GB/s (GIL released).
+formats apart, and both are read. XXH3 replaced CRC-32 because checksumming was about a tenth
+of the server's CPU for wide rows: CRC-32 runs at 3–4 GB/s here, XXH3 at ~18 GB/s (GIL
+released).
 
 Segments live in a directory beside the database by default; any ``pyarrow.fs.FileSystem`` (S3,
 GCS, a sub-tree) can be given instead, in which case each group commit writes one immutable

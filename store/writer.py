@@ -415,9 +415,9 @@ class Writer:
         """Stage the chunks of the group's puts; when they are large, start writing them.
 
         Why: for wide rows, writing and fsyncing a group's chunks (~45 ms per 50 MB here) and
-        inserting its rows (~25 ms per 4,096 rows) each took a third of the writer's time, one
-        after the other. DuckDB and the blob write both release the GIL, and the COMMIT only
-        has to wait for the chunks to be durable, not start after them. A group with
+        inserting its rows (~25 ms per 4,096 rows) ran one after the other and took most of the
+        writer's time. DuckDB and the blob write both release the GIL, and the COMMIT only has
+        to wait for the chunks to be durable, not start after them. A group with
         maintenance (CallOp: GC rolls and deletes segments) writes its chunks inline.
         """
         blobs = self._store.blobs
