@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -107,6 +112,58 @@ def test_a_bad_large_batch_fails_the_stream_and_keeps_what_came_before(tmp_path)
             counts = query(c, "SELECT substr(sample_id, 1, 1) AS k, count(*) AS n FROM t "
                               "GROUP BY 1 ORDER BY 1").to_pylist()
     assert counts == [{"k": "s", "n": ROWS}]
+
+
+CHILD = textwrap.dedent("""
+    import os, sys
+    import pyarrow as pa, pyarrow.flight as flight
+    uri, batches, rows, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    client = flight.FlightClient(uri)
+    schema = pa.schema([("sample_id", pa.large_string()), ("prompt", pa.large_string())])
+    writer, _ = client.do_put(flight.FlightDescriptor.for_path("t"), schema)
+    for b in range(batches):
+        writer.write_batch(pa.record_batch(
+            [pa.array([f"k{b}x{i}_0_0" for i in range(rows)], pa.large_string()),
+             pa.array([f"{b}:{i}:" + "z" * width for i in range(rows)], pa.large_string())],
+            schema=schema))
+    os._exit(0)   # gone mid-stream: no done_writing, no close, answers unread
+""")
+
+
+def test_a_producer_gone_mid_stream_leaves_whole_batches_in_order(tmp_path):
+    """Every batch the server received is written whole, in order, and the server goes on."""
+    with running_server(tmp_path / "w.duckdb") as srv:
+        uri = f"grpc://127.0.0.1:{srv.port}"
+        s = store.connect(uri)
+        try:
+            s.create_table("t", COLUMNS)
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            subprocess.run([sys.executable, "-c", CHILD, uri, "12", str(ROWS), str(WIDTH)],
+                           check=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
+            counts = _settled(lambda: {r["b"]: r["n"] for r in s.query(
+                "SELECT split_part(sample_id, 'x', 1) AS b, count(*) AS n FROM t "
+                "GROUP BY 1").to_pylist()})
+            s.put("t", _wide(s, "after", range(3)))
+            assert s.query("SELECT count(*) AS n FROM t WHERE sample_id LIKE 'after%'")\
+                .to_pylist() == [{"n": 3}]
+        finally:
+            s.close()
+    assert set(counts.values()) <= {ROWS}, counts
+    present = sorted(int(b[1:]) for b in counts)
+    assert present == list(range(len(present))), present
+
+
+def _settled(read, tries: int = 60):
+    """``read()`` once two reads half a second apart agree (the server finishing what it read
+    after the client went away)."""
+    last = read()
+    for _ in range(tries):
+        time.sleep(0.5)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"still changing after {tries / 2:.0f} s: {last}")
 
 
 def _wide(s, tag: str, ids: range, **extra) -> dict:
