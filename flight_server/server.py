@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any, Iterator
 
 import pyarrow as pa
@@ -160,8 +161,8 @@ class ExpstoreFlightServer(flight.FlightServerBase):
             self.store.describe(table)  # an unknown table fails before any batch is read
             answers = _PutAnswers(writer, PUT_PIPELINE)
             index = 0
-            # A large batch is checked and serialised (put_async) on a pool thread while this one
-            # receives the next; one at a time, so batches reach the writer in stream order.
+            # A large batch is checked and serialised on a pool thread while this one receives
+            # the next; one at a time, so batches reach the writer (and answers) in stream order.
             preparing: Future | None = None
             try:
                 for chunk in reader:
@@ -169,25 +170,39 @@ class ExpstoreFlightServer(flight.FlightServerBase):
                     if chunk.data is None or chunk.data.num_rows == 0:
                         continue
                     if preparing is not None:
-                        prepared, preparing = preparing, None
-                        answers.submit(index - 1, prepared.result())
+                        done = preparing
+                        preparing = None
+                        done.result()  # a batch that failed preparation ends the stream here
                     if chunk.data.nbytes >= PREPARE_APART_BYTES:
-                        preparing = _PREPARE_POOL.submit(self.store.put_async, table, chunk.data)
+                        preparing = _PREPARE_POOL.submit(self._put_apart, answers, index, table,
+                                                         chunk.data)
                     else:
                         answers.submit(index, self.store.put_async(table, chunk.data))
                     index += 1
                 if preparing is not None:
-                    prepared, preparing = preparing, None
-                    answers.submit(index - 1, prepared.result())
+                    done = preparing
+                    preparing = None
+                    done.result()
             finally:
-                if preparing is not None:  # the stream failed: the batch read before is
-                    try:                   # still written and answered, in order
-                        answers.submit(index - 1, preparing.result())
-                    except Exception:  # noqa: BLE001 - the stream's own error is raised
-                        pass
+                if preparing is not None:  # the stream broke while a batch was prepared: it
+                    wait_futures([preparing])  # was queued, or answered with its error
                 # Answer (or fail on) every batch already handed to the writer, in order.
                 answers.finish()
             answers.raise_failure()
+
+    def _put_apart(self, answers: "_PutAnswers", index: int, table: str,
+                   data: pa.RecordBatch) -> None:
+        """Prepare and queue one batch of a do_put, and queue its answer at once: a client may
+        wait for this answer before it sends the next batch. A batch that fails preparation is
+        answered with its error at once, and the error is raised to the handler."""
+        try:
+            future = self.store.put_async(table, data)
+        except BaseException as e:
+            failed: Future = Future()
+            failed.set_exception(e)
+            answers.submit(index, failed)
+            raise  # and the handler ends the stream before it queues another batch
+        answers.submit(index, future)
 
     # -- reads ---------------------------------------------------------------------------------
     def do_get(self, context: flight.ServerCallContext,

@@ -20,7 +20,7 @@ import pytest
 import store
 import store.blobs as blobs
 import store.writer as writer
-from flight_fixtures import query, running_server
+from flight_fixtures import put_batches, query, running_server
 from flight_server.server import PREPARE_APART_BYTES
 from store.errors import InvalidArgument, StaleVersion, StorageError
 
@@ -94,6 +94,49 @@ def test_large_batches_are_prepared_apart_and_applied_in_stream_order(tmp_path):
     assert [r["response"] for r in rows] == [_text("r2", 7)]
 
 
+def test_a_producer_pacing_on_each_large_batchs_answer_gets_it(tmp_path):
+    """A client that waits for batch k's answer before it sends batch k+1 (pacing itself on
+    durability) is answered although the server prepares that batch apart."""
+    with running_server(tmp_path / "w.duckdb") as srv:
+        s = store.connect(f"grpc://127.0.0.1:{srv.port}")
+        try:
+            s.create_table("t", COLUMNS)
+        finally:
+            s.close()
+        with flight.FlightClient(srv.location) as c:
+            answers = put_batches(c, "t", [_batch("1", prompt=True), _batch("2", response=True),
+                                           _batch("3", prompt=True)],
+                                  flight.FlightCallOptions(timeout=60))
+            got = query(c, "SELECT * FROM t WHERE sample_id = 's3_0_0'").to_pylist()
+    assert [a["batch"] for a in answers] == [0, 1, 2]
+    assert [(r["prompt"], r["response"]) for r in got] == [(_text("p3", 3), _text("r2", 3))]
+
+
+def test_a_pacing_producer_learns_of_its_bad_large_batch_at_once(tmp_path):
+    with running_server(tmp_path / "w.duckdb") as srv:
+        s = store.connect(f"grpc://127.0.0.1:{srv.port}")
+        try:
+            s.create_table("t", COLUMNS)
+        finally:
+            s.close()
+        bad = _batch("b", prompt=True, ids=["b1_0_0", "oops"] + [f"b{i}_0_0"
+                                                                  for i in range(2, ROWS)])
+        with flight.FlightClient(srv.location) as c:
+            writer_, reader = c.do_put(flight.FlightDescriptor.for_path("t"), bad.schema,
+                                       flight.FlightCallOptions(timeout=60))
+            writer_.write_batch(_batch("1", prompt=True))
+            first = json.loads(reader.read().to_pybytes())
+            writer_.write_batch(bad)
+            second = json.loads(reader.read().to_pybytes())  # before any further batch
+            writer_.done_writing()
+            with pytest.raises(flight.FlightError, match="oops"):
+                while reader.read() is not None:
+                    pass
+                writer_.close()
+    assert first == {"batch": 0, "rows": ROWS, "version": 0}
+    assert second["batch"] == 1 and "oops" in second["error"]["message"]
+
+
 def test_a_bad_large_batch_fails_the_stream_and_keeps_what_came_before(tmp_path):
     with running_server(tmp_path / "w.duckdb") as srv:
         with flight.FlightClient(srv.location) as c:
@@ -108,7 +151,10 @@ def test_a_bad_large_batch_fails_the_stream_and_keeps_what_came_before(tmp_path)
                                          _batch("3", prompt=True, ids=[f"z{i}_0_0"
                                                                       for i in range(ROWS)])])
             assert error is not None and "not-a-sample-id" in str(error)
-            assert [a["batch"] for a in answers] == [0]
+            assert [a["batch"] for a in answers if "error" not in a] == [0]
+            # The bad batch is answered with its error as soon as it is found.
+            assert [(a["batch"], "not-a-sample-id" in a["error"]["message"])
+                    for a in answers if "error" in a] in ([], [(1, True)])
             counts = query(c, "SELECT substr(sample_id, 1, 1) AS k, count(*) AS n FROM t "
                               "GROUP BY 1 ORDER BY 1").to_pylist()
     assert counts == [{"k": "s", "n": ROWS}]
