@@ -4,6 +4,7 @@ thread while the group's statements run (the COMMIT waits for them). Order, answ
 durability and failures on either side are checked here, through the real server and store."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -45,6 +46,15 @@ def _batch(tag: str, *, prompt: bool = False, response: bool = False,
                              else [None] * n, pa.large_string()),
         "reward": pa.array([reward] * n, pa.float64()),
     })
+
+
+@contextlib.contextmanager
+def _served(tmp_path):
+    """A running server over a fresh file, with table ``t`` (COLUMNS) created."""
+    with running_server(tmp_path / "w.duckdb") as srv:
+        with store.connect(f"grpc://127.0.0.1:{srv.port}") as s:
+            s.create_table("t", COLUMNS)
+        yield srv
 
 
 def _stream(client: flight.FlightClient,
@@ -97,12 +107,7 @@ def test_large_batches_are_prepared_apart_and_applied_in_stream_order(tmp_path):
 def test_a_producer_pacing_on_each_large_batchs_answer_gets_it(tmp_path):
     """A client that waits for batch k's answer before it sends batch k+1 (pacing itself on
     durability) is answered although the server prepares that batch apart."""
-    with running_server(tmp_path / "w.duckdb") as srv:
-        s = store.connect(f"grpc://127.0.0.1:{srv.port}")
-        try:
-            s.create_table("t", COLUMNS)
-        finally:
-            s.close()
+    with _served(tmp_path) as srv:
         with flight.FlightClient(srv.location) as c:
             answers = put_batches(c, "t", [_batch("1", prompt=True), _batch("2", response=True),
                                            _batch("3", prompt=True)],
@@ -113,12 +118,7 @@ def test_a_producer_pacing_on_each_large_batchs_answer_gets_it(tmp_path):
 
 
 def test_a_pacing_producer_learns_of_its_bad_large_batch_at_once(tmp_path):
-    with running_server(tmp_path / "w.duckdb") as srv:
-        s = store.connect(f"grpc://127.0.0.1:{srv.port}")
-        try:
-            s.create_table("t", COLUMNS)
-        finally:
-            s.close()
+    with _served(tmp_path) as srv:
         bad = _batch("b", prompt=True, ids=["b1_0_0", "oops"] + [f"b{i}_0_0"
                                                                   for i in range(2, ROWS)])
         with flight.FlightClient(srv.location) as c:
@@ -138,13 +138,8 @@ def test_a_pacing_producer_learns_of_its_bad_large_batch_at_once(tmp_path):
 
 
 def test_a_bad_large_batch_fails_the_stream_and_keeps_what_came_before(tmp_path):
-    with running_server(tmp_path / "w.duckdb") as srv:
+    with _served(tmp_path) as srv:
         with flight.FlightClient(srv.location) as c:
-            s = store.connect(f"grpc://127.0.0.1:{srv.port}")
-            try:
-                s.create_table("t", COLUMNS)
-            finally:
-                s.close()
             bad = _batch("b", prompt=True, ids=[f"b{i}_0_0" for i in range(ROWS - 1)]
                          + ["not-a-sample-id"])
             answers, error = _stream(c, [_batch("1", prompt=True), bad,
