@@ -170,9 +170,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
                     if chunk.data is None or chunk.data.num_rows == 0:
                         continue
                     if preparing is not None:
-                        done = preparing
-                        preparing = None
-                        done.result()  # a batch that failed preparation ends the stream here
+                        preparing.result()  # a batch that failed preparation ends the stream
                     if chunk.data.nbytes >= PREPARE_APART_BYTES:
                         preparing = _PREPARE_POOL.submit(self._put_apart, answers, index, table,
                                                          chunk.data)
@@ -180,12 +178,10 @@ class ExpstoreFlightServer(flight.FlightServerBase):
                         answers.submit(index, self.store.put_async(table, chunk.data))
                     index += 1
                 if preparing is not None:
-                    done = preparing
-                    preparing = None
-                    done.result()
+                    preparing.result()
             finally:
-                if preparing is not None:  # the stream broke while a batch was prepared: it
-                    wait_futures([preparing])  # was queued, or answered with its error
+                if preparing is not None:  # (the stream may have broken while a batch was
+                    wait_futures([preparing])  # prepared: it is queued or answered either way)
                 # Answer (or fail on) every batch already handed to the writer, in order.
                 answers.finish()
             answers.raise_failure()
