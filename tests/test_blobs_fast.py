@@ -123,18 +123,26 @@ def test_segments_round_trip_small_and_big_group_commits(tmp_path, monkeypatch, 
         ends.append(os.path.getsize(path))
         starts = [int(k.split(":")[1]) for k in keys]
         lengths = [int(k.split(":")[2]) for k in keys]
-        # A group commit's chunks lie back to back ...
-        assert starts == [starts[0] + sum(lengths[:j]) for j in range(3)]
+        # Large chunks from serialize_chunk_buffer are written by O_DIRECT from their own
+        # memory, on a block boundary; the others lie back to back.
+        in_place = [direct and i % 2 == 1 and n >= blobs.IN_PLACE_MIN_BYTES for n in lengths]
+        if i == 1:  # big chunks given as buffers: written in place exactly when O_DIRECT is on
+            assert all(in_place) is direct
+        for j in (1, 2):
+            prev_end = starts[j - 1] + lengths[j - 1]
+            aligned = in_place[j] or in_place[j - 1]
+            assert starts[j] == (blobs._align_up(prev_end) if aligned else prev_end), (i, j)
         prev_end = ends[-2] if len(ends) > 1 else 0
         if direct:
-            # ... from a block boundary; big ones end on one too (zero padding).
+            # A group starts on a block boundary; big ones end on one too. Every gap is zeros.
             assert starts[0] % ALIGN == 0 and prev_end <= starts[0] < prev_end + ALIGN
             if sum(lengths) >= blobs.DIRECT_MIN_BYTES:
                 assert ends[-1] % ALIGN == 0 and ends[-1] - starts[-1] - lengths[-1] < ALIGN
                 with open(path, "rb") as f:
-                    pad = os.pread(f.fileno(), ends[-1] - starts[-1] - lengths[-1],
-                                   starts[-1] + lengths[-1])
-                assert pad == bytes(len(pad))
+                    for gap_start, gap_end in zip([a + n for a, n in zip(starts, lengths)],
+                                                  starts[1:] + [ends[-1]]):
+                        pad = os.pread(f.fileno(), gap_end - gap_start, gap_start)
+                        assert pad == bytes(len(pad))
         else:
             # The old layout: contiguous, no padding.
             assert starts[0] == prev_end and ends[-1] == starts[-1] + lengths[-1]
@@ -152,6 +160,22 @@ def test_a_batch_bigger_than_the_staging_buffer_and_many_pieces(tmp_path, monkey
     b = _open(str(tmp_path / "blobs"), direct, monkeypatch)
     arrays = [_values(5, 3001 + 37 * j, f"p{j}") for j in range(40)]     # ~600 KB, 40 pieces
     keys = _put(b, arrays)
+    _check(b, keys, arrays)
+    _check(BlobStore(str(tmp_path / "blobs")), keys, arrays)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_chunks_written_in_place_between_copied_ones(tmp_path, monkeypatch, direct):
+    """Large chunks written from their own memory, small ones copied through a staging buffer
+    smaller than one group (so it fills and flushes between them), in one group commit."""
+    monkeypatch.setattr(blobs, "STAGING_BYTES", 64 << 10)
+    b = _open(str(tmp_path / "blobs"), direct, monkeypatch)
+    arrays = [_values(40, 2900, f"big{j}") if j % 3 == 0 else _values(3, 700 + 31 * j, f"s{j}")
+              for j in range(16)] + [_values(60, 900, f"s{j}") for j in range(2)]
+    chunks = [serialize_chunk_buffer(a) for a in arrays]
+    keys = [b.append(c) for c in chunks]
+    assert sum(blobs._in_place(c) is not None for c in chunks) == 6
+    b.sync()
     _check(b, keys, arrays)
     _check(BlobStore(str(tmp_path / "blobs")), keys, arrays)
 
@@ -191,13 +215,14 @@ def test_o_direct_refused_at_write_falls_back_and_remembers(tmp_path, monkeypatc
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(BlobStore, "_write_direct", refused)
-    arrays = [_values(100, 7000, "a")]
-    keys = _put(b, arrays)
+    arrays = [_values(100, 7000, "a"), _values(3, 100, "a-small"), _values(100, 7000, "a2")]
+    keys = _put(b, arrays, buffer=True)       # placed for in-place writes, rewritten buffered
     assert calls and not b._direct
     more = [_values(100, 7000, "b")]
     keys2 = _put(b, more)
     assert len(calls) == 1                          # not tried again
     _check(b, keys + keys2, arrays + more)
+    _check(BlobStore(str(tmp_path / "blobs")), keys + keys2, arrays + more)
 
 
 def test_filesystem_refusing_o_direct_gets_the_buffered_path(monkeypatch, tmp_path):
