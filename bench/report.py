@@ -72,13 +72,24 @@ def target_rows(results: Results) -> list[list[str]]:
         if ratio is None:
             shown = "—"
         elif t.baseline is None:
-            shown = fmt(ratio, {"pct": "%", "ms": "ms"}.get(t.measured.rsplit("_", 1)[-1], "x"))
+            unit = {"pct": "%", "ms": "ms"}.get(t.measured.rsplit("_", 1)[-1], "x")
+            shown = fmt(ratio, unit)
+            if unit == "x":
+                shown = f"{ratio:.{_decisive(ratio, t.bound, 2)}f}x"
         elif t.bound < 1 and t.at_least:
-            shown = f"{ratio:.0%}"
+            shown = f"{ratio * 100:.{_decisive(ratio * 100, t.bound * 100, 0)}f}%"
         else:
-            shown = f"{ratio:.2f}x"
+            shown = f"{ratio:.{_decisive(ratio, t.bound, 2)}f}x"
         rows.append([t.text, shown, t.bound_text, status])
     return rows
+
+
+def _decisive(value: float, bound: float, digits: int) -> int:
+    """Decimals to show ``value`` with: ``digits``, or more where fewer would round it onto its
+    bound (1.797x against "≥ 1.8x" is a miss; shown as 1.80x it would read as a pass)."""
+    while digits < 4 and value != bound and round(value, digits) == round(bound, digits):
+        digits += 1
+    return digits
 
 
 def _text_table(header: list[str], rows: list[list[str]]) -> str:
