@@ -24,10 +24,10 @@ at a 4 KiB-aligned offset and its tail is padded with zeros to a 4 KiB boundary.
 (:data:`IN_PLACE_MIN_BYTES` and up) are serialised into page-aligned memory with zeroed padding
 and written from there, each at a 4 KiB-aligned offset of its own; smaller ones are copied back
 to back through a page-aligned staging buffer. Keys carry offsets, so readers never see the
-padding (nothing reads a segment sequentially); segments
-written before, or by the buffered fallback (filesystems that refuse ``O_DIRECT``, such as tmpfs
-on older kernels, or ``EXPSTORE_BLOB_DIRECT_IO=0``), have no padding and read the same way. A
-write is still followed by ``fsync`` before any key is committed.
+padding (nothing reads a segment sequentially); segments written before, or by the buffered
+fallback (filesystems that refuse ``O_DIRECT``, such as tmpfs on older kernels, or
+``EXPSTORE_BLOB_DIRECT_IO=0``), have no padding; all read the same way. A write is still
+followed by ``fsync`` before any key is committed.
 """
 from __future__ import annotations
 
