@@ -73,9 +73,8 @@ def target_rows(results: Results) -> list[list[str]]:
             shown = "—"
         elif t.baseline is None:
             unit = {"pct": "%", "ms": "ms"}.get(t.measured.rsplit("_", 1)[-1], "x")
-            shown = fmt(ratio, unit)
-            if unit == "x":
-                shown = f"{ratio:.{_decisive(ratio, t.bound, 2)}f}x"
+            shown = f"{ratio:.{_decisive(ratio, t.bound, 2)}f}x" if unit == "x" \
+                else fmt(ratio, unit)
         elif t.bound < 1 and t.at_least:
             shown = f"{ratio * 100:.{_decisive(ratio * 100, t.bound * 100, 0)}f}%"
         else:
