@@ -49,6 +49,7 @@ import pyarrow.fs as pafs
 import xxhash
 
 from .errors import StorageError
+from .types import one_array
 
 SEGMENT_BYTES = 256 << 20
 _SEGMENT_NAME = re.compile(r"^seg-(\d{8})\.arrow$")
@@ -369,7 +370,7 @@ class BlobStore:
             raise StorageError(f"blob chunk {segment}:{offset}:{length} in {path!r} is corrupt: "
                                "its header or checksum does not match its bytes")
         try:
-            values = pa.ipc.open_stream(pa.py_buffer(body)).read_all().column(0).combine_chunks()
+            values = one_array(pa.ipc.open_stream(pa.py_buffer(body)).read_all().column(0))
             # IPC has no checksums: damaged bytes inside a chunk would otherwise be served as
             # values (invalid UTF-8, offsets past the end). Full validation catches those.
             values.validate(full=True)

@@ -41,6 +41,7 @@ from .prepare import SMALL_ROWS, PreparedPut, check_columns, prepare_put, to_arr
 from .recovery import load_state
 from .schema import TableDef
 from .sqlguard import check_select
+from .types import one_array
 from .writer import BumpOp, CallOp, PutOp, SettleOp, SmallPutOp, Writer
 
 log = logging.getLogger("expstore.store")
@@ -419,7 +420,7 @@ class EmbeddedStore:
 
     def _resolved(self, inline: pa.ChunkedArray, keys: pa.ChunkedArray) -> pa.Array:
         """A column's values: inline ones where the blob key is null, else read from blobs."""
-        inline = inline.combine_chunks()
+        inline = one_array(inline)
         return pc.if_else(pc.is_valid(keys), self.blobs.resolve(keys.to_pylist(), inline.type),
                           inline)
 

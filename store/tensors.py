@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from .types import is_tensor, tensor_type
+from .types import is_tensor, one_array, tensor_type
 
 
 def to_arrow(arrays: Sequence[np.ndarray | None], dtype: str | np.dtype | None = None) -> pa.Array:
@@ -40,8 +40,7 @@ def to_arrow(arrays: Sequence[np.ndarray | None], dtype: str | np.dtype | None =
 
 def to_numpy(column: pa.Array | pa.ChunkedArray) -> list[np.ndarray | None]:
     """Unpack a tensor column into numpy arrays with their dtype and shape."""
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    column = one_array(column)
     if not is_tensor(column.type):
         raise TypeError(f"column of type {column.type} is not a tensor column")
     element = column.type.field(1).type.value_type

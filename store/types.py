@@ -117,3 +117,14 @@ def duckdb_type(t: pa.DataType) -> str:
     if pa.types.is_large_list(t):
         return f"{duckdb_type(t.value_type)}[]"
     return _DUCK_SCALARS[type_name(t)]
+
+
+def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """A column as one Array, without a copy when it already is one chunk.
+
+    Why: ``ChunkedArray.combine_chunks`` copies even a single chunk (~1.8 ms per 12 MB column),
+    and every batch received by the server is a table of single-chunk columns.
+    """
+    if isinstance(column, pa.ChunkedArray):
+        return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    return column

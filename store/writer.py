@@ -32,6 +32,7 @@ from .errors import ExpstoreError, NotFound, StaleVersion, StorageError, StoreCl
 from .live import LEASED, Lease, LiveTable, Row, RowBlock
 from .naming import quote
 from .prepare import PreparedPut
+from .types import one_array
 
 if TYPE_CHECKING:
     from .embedded import EmbeddedStore
@@ -475,7 +476,7 @@ class Writer:
         """Append the put's chunks; turn its ``__ref`` row indexes into blob keys."""
         physical = p.physical
         for ref in [n for n in physical.column_names if n.endswith("__ref")]:
-            index = physical.column(ref).combine_chunks()
+            index = one_array(physical.column(ref))
             chunk = p.chunks.get(ref[: -len("__ref")])
             if chunk is None:
                 keys = pa.nulls(len(index), pa.string())
