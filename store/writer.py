@@ -775,30 +775,27 @@ class Writer:
                 version = store._versions[store._live[tname].tdef.version_group]
                 # The claim's lease columns may not be flushed yet (and never will be once the
                 # row is consumed), so the ack writes the delivery count and owner itself.
-                acked = pa.table({
-                    "row_id": pa.array([r.row_id for r, _ in rows], pa.int64()),
-                    "delivery_count": pa.array([r.deliveries for r, _ in rows], pa.int32()),
-                })
-                with registered(self._con, "_expstore_ack", acked):
+                acked: ListColumns = {"row_id": ("BIGINT", [r.row_id for r, _ in rows]),
+                                      "delivery_count": ("INTEGER",
+                                                         [r.deliveries for r, _ in rows])}
+                with row_source(self._con, "_expstore_ack", acked) as (source, params):
                     self._con.execute(
                         f"UPDATE {quote(tname)} AS t SET consumed = true, is_processing = false, "
                         "consumed_version = ?, lease_id = ?, lease_owner = ?, "
                         "delivery_count = b.delivery_count, updated_at = now() "
-                        "FROM _expstore_ack AS b WHERE t.row_id = b.row_id",
-                        [version, lease.claim_id, lease.owner])
+                        f"FROM {source} AS b WHERE t.row_id = b.row_id",
+                        [version, lease.claim_id, lease.owner, *params])
                 continue
-            tbl = pa.table({
-                "row_id": pa.array([r.row_id for r, _ in rows], pa.int64()),
-                "delivery_count": pa.array([r.deliveries for r, _ in rows], pa.int32()),
-                "dead": pa.array([o == "dead" for _, o in rows], pa.bool_()),
-                "stale": pa.array([o == "stale" for _, o in rows], pa.bool_()),
-            })
-            with registered(self._con, "_expstore_nack", tbl):
+            nacked: ListColumns = {"row_id": ("BIGINT", [r.row_id for r, _ in rows]),
+                                   "delivery_count": ("INTEGER", [r.deliveries for r, _ in rows]),
+                                   "dead": ("BOOLEAN", [o == "dead" for _, o in rows]),
+                                   "stale": ("BOOLEAN", [o == "stale" for _, o in rows])}
+            with row_source(self._con, "_expstore_nack", nacked) as (source, params):
                 self._con.execute(
                     f"UPDATE {quote(tname)} AS t SET is_processing = false, "
                     "lease_expires_at = NULL, delivery_count = b.delivery_count, "
                     "dead = b.dead, stale = t.stale OR b.stale, updated_at = now() "
-                    "FROM _expstore_nack AS b WHERE t.row_id = b.row_id")
+                    f"FROM {source} AS b WHERE t.row_id = b.row_id", params)
         txn.applies.append(functools.partial(store._settled, lease, plan,
                                              "ack" if op.ack else "nack"))
         return {"claim_id": lease.claim_id, "acked" if op.ack else "nacked": len(lease.rows)}
@@ -857,17 +854,9 @@ class Writer:
         for tname, rows in updates.items():
             if tname not in self._store._live:
                 continue
-            tbl = pa.table({
-                "row_id": pa.array([r[0] for r in rows], pa.int64()),
-                "is_processing": pa.array([r[1] for r in rows], pa.bool_()),
-                "lease_id": pa.array([r[2] for r in rows], pa.string()),
-                "lease_owner": pa.array([r[3] for r in rows], pa.string()),
-                "lease_expires_at": pa.array([r[4] for r in rows], pa.timestamp("us", tz="UTC")),
-                "delivery_count": pa.array([r[5] for r in rows], pa.int32()),
-                "stale": pa.array([r[6] for r in rows], pa.bool_()),
-                "dead": pa.array([r[7] for r in rows], pa.bool_()),
-            })
-            with registered(con, "_expstore_leases", tbl):
+            leases: ListColumns = {name: (kind, [r[i] for r in rows])
+                                   for i, (name, kind) in enumerate(_LEASE_COLUMNS)}
+            with row_source(con, "_expstore_leases", leases) as (source, params):
                 # Rows acked in this same transaction stay consumed: only touch unconsumed ones.
                 con.execute(
                     f"UPDATE {quote(tname)} AS t SET is_processing = b.is_processing, "
@@ -875,7 +864,7 @@ class Writer:
                     "lease_owner = coalesce(b.lease_owner, t.lease_owner), "
                     "lease_expires_at = b.lease_expires_at, delivery_count = b.delivery_count, "
                     "stale = t.stale OR b.stale, dead = t.dead OR b.dead "
-                    "FROM _expstore_leases AS b WHERE t.row_id = b.row_id AND NOT t.consumed")
+                    f"FROM {source} AS b WHERE t.row_id = b.row_id AND NOT t.consumed", params)
 
 
 @contextmanager
@@ -889,6 +878,37 @@ def registered(con: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> It
             con.unregister(name)
         except duckdb.Error:  # an aborted transaction refuses even this; ROLLBACK follows
             pass
+
+
+# The lease bookkeeping of a row, in the order EmbeddedStore queues it (see _row_updates).
+_LEASE_COLUMNS = (("row_id", "BIGINT"), ("is_processing", "BOOLEAN"), ("lease_id", "VARCHAR"),
+                  ("lease_owner", "VARCHAR"), ("lease_expires_at", "TIMESTAMPTZ"),
+                  ("delivery_count", "INTEGER"), ("stale", "BOOLEAN"), ("dead", "BOOLEAN"))
+
+# Up to this many rows, a statement reads its rows from list parameters (``unnest``) instead of
+# a registered Arrow table: an ack of 16 rows' UPDATE took 1.27 instead of 1.70 ms; from ~2,000
+# rows on the registered table is faster (3.3 against 4.3 ms at 4,096).
+LIST_SOURCE_ROWS = 1024
+ListColumns = dict[str, tuple[str, list[Any]]]  # column name → (DuckDB type, values)
+_LIST_TYPES = {"BIGINT": pa.int64(), "INTEGER": pa.int32(), "BOOLEAN": pa.bool_(),
+               "VARCHAR": pa.string(), "TIMESTAMPTZ": pa.timestamp("us", tz="UTC")}
+
+
+@contextmanager
+def row_source(con: duckdb.DuckDBPyConnection, name: str,
+               columns: ListColumns) -> Iterator[tuple[str, list[Any]]]:
+    """A FROM item reading ``columns``, and its parameters (they follow the statement's own):
+    list parameters for a few rows, the columns registered as an Arrow table ``name`` for many."""
+    rows = len(next(iter(columns.values()))[1])
+    if rows <= LIST_SOURCE_ROWS:
+        select = ", ".join(f"unnest(?::{kind}[]) AS {quote(c)}"
+                           for c, (kind, _) in columns.items())
+        yield f"(SELECT {select})", [values for _, values in columns.values()]
+        return
+    table = pa.table({c: pa.array(values, _LIST_TYPES[kind])
+                      for c, (kind, values) in columns.items()})
+    with registered(con, name, table):
+        yield name, []
 
 
 def _all_fresh(live: LiveTable, txn_rows: dict[tuple[str, int], int],

@@ -216,6 +216,35 @@ def test_lease_owner_and_processing_visible_in_sql(any_store, wait_until):
                    "lease_id": claim.claim_id, "delivery_count": 1}
 
 
+@pytest.mark.parametrize("n", [10, 1500], ids=["few rows", "many rows"])
+def test_lease_columns_acks_and_nacks_reach_sql_for_few_rows_and_many(any_store, wait_until, n):
+    """The writer sends a few rows to SQL as list parameters and many as an Arrow table: the
+    columns come out the same either way."""
+    s = any_store
+    s.create_table("t", {"reward": "float64"})
+    _fill(s, "t", [f"{i}_0_0" for i in range(2 * n)])
+    first, second = s.claim("t", n, consumer="a"), s.claim("t", n, consumer="b")
+    sql = ("SELECT lease_owner, lease_id, count(*) AS n, min(lease_expires_at) AS lo, "
+           "max(lease_expires_at) AS hi, max(delivery_count) AS d FROM t WHERE is_processing "
+           "GROUP BY ALL ORDER BY 1")
+    rows = wait_until(lambda: r if len(r := s.query(sql).to_pylist()) == 2 else None,
+                      message="both leases reaching SQL")
+    for row, claim, owner in zip(rows, (first, second), "ab"):
+        assert (row["lease_owner"], row["lease_id"], row["n"], row["d"]) == \
+            (owner, claim.claim_id, n, 1)
+        assert row["lo"] == row["hi"]
+        assert abs(row["lo"].timestamp() - claim.expires_at) < 1e-3
+    s.ack(first.claim_id)
+    s.nack(second.claim_id)
+    after = s.query("SELECT consumed, is_processing, lease_owner, lease_expires_at IS NULL AS "
+                    "no_expiry, delivery_count, count(*) AS n FROM t GROUP BY ALL ORDER BY ALL")
+    assert after.to_pylist() == [
+        {"consumed": False, "is_processing": False, "lease_owner": "b", "no_expiry": True,
+         "delivery_count": 1, "n": n},
+        {"consumed": True, "is_processing": False, "lease_owner": "a", "no_expiry": False,
+         "delivery_count": 1, "n": n}]
+
+
 def test_lease_expiry_makes_rows_ready(any_store, wait_until):
     s = any_store
     s.create_table("t", {"reward": "float64"})
