@@ -60,6 +60,9 @@ VALUES_UPDATE_ROWS = 4
 OVERLAP_BLOB_BYTES = 1 << 20
 
 
+_WAKE = object()  # queued by Writer.poke
+
+
 @dataclass
 class Op:
     """A queued change. ``future`` resolves after the commit that made it durable."""
@@ -137,7 +140,8 @@ class Writer:
     def __init__(self, store: "EmbeddedStore", con: duckdb.DuckDBPyConnection) -> None:
         self._store = store
         self._con = con
-        self._queue: queue.Queue[Op | None] = queue.Queue()
+        # Ops; None: close; _WAKE: recompute how long to sleep (see poke)
+        self._queue: queue.Queue[Op | object | None] = queue.Queue()
         self._flush_due: float | None = None
         self._closed = False
         self._fatal: BaseException | None = None
@@ -168,6 +172,9 @@ class Writer:
         """Ask for a flush of lease bookkeeping within LEASE_FLUSH_DELAY (never blocks)."""
         if self._flush_due is None:
             self._flush_due = time.monotonic() + LEASE_FLUSH_DELAY
+            # An idle writer sleeps until the next lease expiry or checkpoint (up to 2 s): wake
+            # it to sleep until the flush is due instead.
+            self._queue.put(_WAKE)
 
     def close(self) -> None:
         if self._closed:
@@ -187,6 +194,8 @@ class Writer:
                 timeout = max(0.0, min(timeout, self._flush_due - time.monotonic()))
             try:
                 first = self._queue.get(timeout=timeout)
+                if first is _WAKE:
+                    continue
             except queue.Empty:
                 self._store._expire_leases()
                 due = self._flush_due is not None and time.monotonic() >= self._flush_due
@@ -197,7 +206,7 @@ class Writer:
                 continue
             ops: list[Op] = []
             stop = first is None
-            if first is not None:
+            if isinstance(first, Op):
                 ops.append(first)
             while not stop and len(ops) < MAX_GROUP_OPS:
                 try:
@@ -206,7 +215,7 @@ class Writer:
                     break
                 if nxt is None:
                     stop = True
-                else:
+                elif isinstance(nxt, Op):
                     ops.append(nxt)
             self._store._expire_leases()
             self._flush_due = None  # this group writes any pending lease bookkeeping too
@@ -223,7 +232,7 @@ class Writer:
                 op = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if op is not None and not op.future.done():
+            if isinstance(op, Op) and not op.future.done():
                 op.future.set_exception(StoreClosed("the store is closed"))
 
     def _maybe_checkpoint(self) -> None:

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+import store
+import store.writer
 from store import ClaimRequest
 from store.errors import InvalidArgument, LeaseExpired, NotFound, QueryRefused
 from thread_helpers import run_threads
@@ -214,6 +216,22 @@ def test_lease_owner_and_processing_visible_in_sql(any_store, wait_until):
                      message="the lease reaching SQL")
     assert row == {"is_processing": True, "lease_owner": "trainer-7",
                    "lease_id": claim.claim_id, "delivery_count": 1}
+
+
+def test_an_idle_writer_flushes_a_claims_lease_when_due(tmp_path, monkeypatch, wait_until):
+    """A claim asks for its lease columns to be written within LEASE_FLUSH_DELAY; an idle writer
+    sleeping until its next checkpoint (here: a minute) is woken for it."""
+    monkeypatch.setattr(store.writer, "CHECKPOINT_IDLE_SECONDS", 60.0)
+    s = store.connect(str(tmp_path / "x.duckdb"))
+    try:
+        s.create_table("t", {"reward": "float64"})
+        _fill(s, "t", ["a_0_0"])
+        time.sleep(0.2)  # the writer is idle now, waiting up to a minute
+        claim = s.claim("t", 1, consumer="trainer-3")
+        wait_until(lambda: s.query("SELECT lease_id FROM t").to_pylist()[0]["lease_id"]
+                   == claim.claim_id, timeout=20, message="the lease reaching SQL")
+    finally:
+        s.close()
 
 
 @pytest.mark.parametrize("n", [10, 1500], ids=["few rows", "many rows"])
