@@ -478,6 +478,8 @@ def _pwritev_run(fd: int, views: list[memoryview], offset: int) -> None:
 
 
 def keys_for(prefix: str, rows: int) -> pa.Array:
-    """``prefix:0 … prefix:{rows-1}`` as an Arrow string array, built vectorised."""
-    idx = pc.cast(pa.array(np.arange(rows, dtype=np.int64)), pa.string())
-    return pc.binary_join_element_wise(pa.scalar(prefix, pa.string()), idx, ":")
+    """``prefix:0 … prefix:{rows-1}`` as an Arrow large_string array (the type of the cached
+    ``__ref`` columns), built vectorised."""
+    idx = pc.cast(pa.array(np.arange(rows, dtype=np.int64)), pa.large_string())
+    return pc.binary_join_element_wise(pa.scalar(prefix, pa.large_string()), idx,
+                                       pa.scalar(":", pa.large_string()))
