@@ -122,8 +122,9 @@ def duckdb_type(t: pa.DataType) -> str:
 def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
     """A column as one Array, without a copy when it already is one chunk.
 
-    Why: ``ChunkedArray.combine_chunks`` copies even a single chunk (~1.8 ms per 12 MB column),
-    and every batch received by the server is a table of single-chunk columns.
+    Why: ``ChunkedArray.combine_chunks`` copies even a single chunk (~1.8 ms per 12 MB column).
+    The result shares its buffers with ``column``: where it is kept (a put's prepared columns),
+    the copy is what frees the rest of the source (see ``prepare._as_type``).
     """
     if isinstance(column, pa.ChunkedArray):
         return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
