@@ -306,30 +306,25 @@ class BlobStore:
         cap = len(staging)
         with self._appending(path, _O_DIRECT) as fd:
             offset, fill = start, 0            # the staging buffer holds [offset, offset + fill)
-            with memoryview(staging) as out:
-                for piece in pieces:
-                    if piece.whole is not None:
-                        if fill:               # the run before it ends where it starts
-                            padded = _align_up(fill)
-                            staging[fill:padded] = bytes(padded - fill)
-                            _pwrite_all(fd, out[:padded], offset)
+            for piece in pieces:
+                if piece.whole is not None:
+                    if fill:                   # the run before it ends where it starts
+                        _write_staged(fd, staging, fill, offset)
+                        fill = 0
+                    offset = _pwrite_all(fd, piece.whole, piece.offset)
+                    continue
+                with memoryview(piece.chunk) as view:
+                    pos, n = 0, len(view)
+                    while pos < n:
+                        take = min(n - pos, cap - fill)
+                        staging[fill:fill + take] = view[pos:pos + take]
+                        fill += take
+                        pos += take
+                        if fill == cap:
+                            offset = _write_staged(fd, staging, cap, offset)
                             fill = 0
-                        offset = _pwrite_all(fd, piece.whole, piece.offset)
-                        continue
-                    with memoryview(piece.chunk) as view:
-                        pos, n = 0, len(view)
-                        while pos < n:
-                            take = min(n - pos, cap - fill)
-                            staging[fill:fill + take] = view[pos:pos + take]
-                            fill += take
-                            pos += take
-                            if fill == cap:
-                                offset = _pwrite_all(fd, out[:cap], offset)
-                                fill = 0
-                if fill:
-                    padded = _align_up(fill)
-                    staging[fill:padded] = bytes(padded - fill)
-                    offset = _pwrite_all(fd, out[:padded], offset)
+            if fill:
+                offset = _write_staged(fd, staging, fill, offset)
         return offset
 
     def roll(self) -> None:
@@ -443,6 +438,15 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> int:
         view = view[n:]
         offset += n
     return offset
+
+
+def _write_staged(fd: int, staging: mmap.mmap, fill: int, offset: int) -> int:
+    """Write the staging buffer's first ``fill`` bytes at ``offset``, zero-padded to a block
+    boundary (O_DIRECT writes whole blocks); return the offset after them."""
+    padded = _align_up(fill)
+    staging[fill:padded] = bytes(padded - fill)
+    with memoryview(staging) as out:
+        return _pwrite_all(fd, out[:padded], offset)
 
 
 def _pwrite_pieces(fd: int, pieces: Sequence[_Staged]) -> None:
