@@ -38,6 +38,7 @@ from .live import Lease, LiveTable, Row
 from .naming import check_identifier, quote
 from .opening import connect_duckdb, ensure_catalog
 from .prepare import SMALL_ROWS, PreparedPut, check_columns, prepare_put, to_arrow_table
+from .putlog import PutLog, log_path, replay
 from .recovery import load_state
 from .schema import TableDef
 from .sqlguard import check_select
@@ -91,7 +92,11 @@ class EmbeddedStore:
         self._reader_lock = threading.Lock()
         try:
             self.blobs = BlobStore(blob_dir or f"{path}.blobs", blob_filesystem)
+            replayed = replay(self._con, path)
+            if replayed:
+                log.info("%d rows of the put log inserted after an unclean stop", replayed)
             state = load_state(self._con)
+            putlog = PutLog(log_path(path))
         except BaseException:
             self._con.close()
             raise
@@ -116,7 +121,8 @@ class EmbeddedStore:
             "rows_put": 0, "puts": 0, "claims": 0, "rows_claimed": 0, "acks": 0,
             "rows_acked": 0, "nacks": 0, "leases_expired": 0, "redeliveries": 0,
             "dead_letters": 0, "stale_rows": 0, "version_bumps": 0}
-        self._writer = Writer(self, self._con)
+        self._putlog = putlog
+        self._writer = Writer(self, self._con, putlog)
 
     # -- tables --------------------------------------------------------------------------------
     def create_table(self, name: str, columns: Mapping[str, Any], *, if_not_exists: bool = False,
@@ -724,6 +730,7 @@ class EmbeddedStore:
             timer.cancel()
 
     def _reader(self) -> duckdb.DuckDBPyConnection:
+        self._writer.materialize()  # every acknowledged write is in DuckDB before a read
         ident = threading.get_ident()
         cursor = self._readers.get(ident)
         if cursor is None:
@@ -828,7 +835,8 @@ class EmbeddedStore:
         self._closed = True
         with self._changed:
             self._changed.notify_all()
-        self._writer.close()
+        self._writer.close()  # inserts what waits in the put log first
+        self._putlog.close()
         try:
             self._con.execute("CHECKPOINT")
         except duckdb.Error:

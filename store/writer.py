@@ -32,6 +32,7 @@ from .errors import ExpstoreError, NotFound, StaleVersion, StorageError, StoreCl
 from .live import LEASED, Lease, LiveTable, Row, RowBlock
 from .naming import quote
 from .prepare import PreparedPut
+from .putlog import PutLog, insert_rows
 from .types import one_array
 
 if TYPE_CHECKING:
@@ -58,6 +59,13 @@ VALUES_UPDATE_ROWS = 4
 # its statements run (see Writer._transaction); smaller ones write inline, a hand-off would
 # only add latency.
 OVERLAP_BLOB_BYTES = 1 << 20
+# Groups of puts whose rows are all new and claimable as written, of at most this many rows,
+# are made durable in the put log and inserted into DuckDB later (see store/putlog.py).
+LOG_PUT_ROWS = 4096
+# Logged rows go into DuckDB with the next DuckDB transaction, or once this many are waiting,
+# or this long after the first of them, whichever comes first.
+MATERIALIZE_ROWS = 16384
+MATERIALIZE_DELAY = 0.1
 
 
 _WAKE = object()  # queued by Writer.poke
@@ -111,6 +119,15 @@ class BumpOp(Op):
 
 
 @dataclass
+class FlushOp(Op):
+    """Nothing but a DuckDB transaction: it inserts the rows waiting in the put log."""
+
+
+class _NotLoggable(Exception):
+    """A group that must go through DuckDB at once (see Writer._log_puts)."""
+
+
+@dataclass
 class CallOp(Op):
     """DDL and maintenance: ``run(con)`` inside the transaction, ``apply()`` after commit."""
 
@@ -132,20 +149,31 @@ class _Txn:
         self.row_updates: dict[str, list[tuple]] = {}
         # id(put op) -> its rows with blob keys, made before any statement runs.
         self.physical: dict[int, pa.Table] = {}
+        # Set for a group of puts going to the put log: (table, rows as inserted) to log.
+        self.logged: list[tuple[str, pa.Table]] | None = None
 
 
 class Writer:
     """Runs in its own thread; see the module docstring."""
 
-    def __init__(self, store: "EmbeddedStore", con: duckdb.DuckDBPyConnection) -> None:
+    def __init__(self, store: "EmbeddedStore", con: duckdb.DuckDBPyConnection,
+                 putlog: PutLog | None = None) -> None:
         self._store = store
         self._con = con
+        self._putlog = putlog
+        # Rows durable in the put log, not yet in DuckDB: (table, rows), oldest first.
+        self._logged: list[tuple[str, pa.Table]] = []
+        self.logged_rows = 0
+        self._logged_since: float | None = None
+        # After a failed insert of logged rows (a full disk), wait this long before the next try.
+        self._retry_delay = MATERIALIZE_DELAY
+        self._retry_at = 0.0
         # Ops; None: close; _WAKE: recompute how long to sleep (see poke)
         self._queue: queue.Queue[Op | object | None] = queue.Queue()
         self._flush_due: float | None = None
         self._closed = False
         self._fatal: BaseException | None = None
-        self.commits = 0
+        self.commits = 0  # group commits: DuckDB transactions and put-log appends
         self._last_commit = time.monotonic()
         self._dirty_since_checkpoint = False
         self._blob_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expstore-blob-io")
@@ -176,6 +204,18 @@ class Writer:
             # it to sleep until the flush is due instead.
             self._queue.put(_WAKE)
 
+    def materialize(self) -> None:
+        """Return once every row acknowledged so far is in DuckDB (readers call this first, so
+        that SQL sees every acknowledged write)."""
+        if self.logged_rows and threading.current_thread() is not self._thread:
+            try:
+                self.call(FlushOp())
+            except StorageError as e:
+                # DuckDB cannot be written (a full disk): the rows are durable in the log and
+                # claimable; the read goes on over what DuckDB has, without them.
+                log.warning("a read proceeds without %d rows of the put log: %s",
+                            self.logged_rows, e)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -192,6 +232,9 @@ class Writer:
                 timeout, CHECKPOINT_IDLE_SECONDS)
             if self._flush_due is not None:
                 timeout = max(0.0, min(timeout, self._flush_due - time.monotonic()))
+            if self._logged_since is not None:
+                timeout = max(0.0, min(timeout, max(self._logged_since + MATERIALIZE_DELAY,
+                                                    self._retry_at) - time.monotonic()))
             try:
                 first = self._queue.get(timeout=timeout)
                 if first is _WAKE:
@@ -199,7 +242,8 @@ class Writer:
             except queue.Empty:
                 self._store._expire_leases()
                 due = self._flush_due is not None and time.monotonic() >= self._flush_due
-                if due or (self._flush_due is None and self._store._has_pending_row_updates()):
+                if due or (self._flush_due is None and self._store._has_pending_row_updates()) \
+                        or self._materialize_due():
                     self._flush_due = None
                     self._run_group([])
                 self._maybe_checkpoint()
@@ -222,9 +266,18 @@ class Writer:
             if ops or self._store._has_pending_row_updates():
                 for part in _bumps_apart(ops):
                     self._run_group(part)
+            if self._materialize_due() or (stop and self._logged):
+                self._run_group([])
             if stop:
                 self._drain_closed()
                 return
+
+    def _materialize_due(self) -> bool:
+        if self._logged_since is None:
+            return False
+        now = time.monotonic()
+        return now >= self._retry_at and (self.logged_rows >= MATERIALIZE_ROWS
+                                          or now - self._logged_since >= MATERIALIZE_DELAY)
 
     def _drain_closed(self) -> None:
         while True:
@@ -251,6 +304,18 @@ class Writer:
         ops = self._prepare_small(ops)
         if given and not ops and not self._store._has_pending_row_updates():
             return  # every put of the group was refused: nothing to commit
+        logged = self._log_puts(ops)
+        if logged is not None:
+            for op, result in zip(ops, logged):
+                _resolve(op, result)
+            return
+        if self._logged and any(isinstance(op, CallOp) for op in ops):
+            # DDL commits apart from logged rows: a crash between that COMMIT and cutting the
+            # log back must not leave rows of a dropped table to replay into a new one.
+            try:
+                self._transaction([])
+            except Exception as e:  # noqa: BLE001 - the group's own transaction tries again
+                log.error("inserting logged rows failed: %s", e)
         try:
             results, txn = self._transaction(ops)
         except Exception as group_error:  # noqa: BLE001 - isolate the culprit below
@@ -355,7 +420,9 @@ class Writer:
         results: list[Any] = [None] * len(ops)
         con.execute("BEGIN TRANSACTION")
         blob_write: Future | None = None
+        logged = len(self._logged)
         try:
+            self._insert_logged()
             blob_write = self._start_blob_write(txn, ops)
             puts: list[tuple[int, PutOp]] = []
             for i, op in enumerate(ops):
@@ -405,12 +472,17 @@ class Writer:
                 store._flushing = {}
                 if store._commit_seq % 2:
                     store._commit_seq += 1
+            if logged:  # not inserted: try again later, less often while it keeps failing
+                self._retry_at = time.monotonic() + self._retry_delay
+                self._retry_delay = min(self._retry_delay * 2, 5.0)
             if isinstance(e, (OSError, duckdb.IOException)):
                 raise StorageError(f"the database could not be written: {e}") from e
             raise
         self.commits += 1
         self._last_commit = time.monotonic()
         self._dirty_since_checkpoint = True
+        if logged:
+            self._logged_committed()
         with store._lock:
             try:
                 for effect in txn.applies:
@@ -420,6 +492,85 @@ class Writer:
                 store._commit_seq += 1
             store._notify()
         return results, txn
+
+    # -- the put log ---------------------------------------------------------------------------
+    def _log_puts(self, ops: list[Op]) -> list[Any] | None:
+        """Make a group of puts durable in the put log instead of DuckDB; their results, or
+        None when the group must go through DuckDB.
+
+        A group qualifies when it is only puts without blob chunks, of at most LOG_PUT_ROWS rows,
+        every row new (a key DuckDB may hold goes through DuckDB, which decides insert or update)
+        and every ready row claimable from the values written (claims must not read DuckDB for
+        it). The statements the DuckDB path would run are planned the same way, but their rows
+        are logged; nothing changes in memory until the log is durable, so a group that turns
+        out not to qualify (or a stale version, which the DuckDB path reports) falls back whole.
+        """
+        puts = [op for op in ops if isinstance(op, PutOp)]
+        if self._putlog is None or not ops or len(puts) < len(ops) \
+                or any(op.prepared.chunks for op in puts) \
+                or sum(op.prepared.rows for op in puts) > LOG_PUT_ROWS:
+            return None
+        store = self._store
+        txn = _Txn()
+        txn.logged = []
+        results: list[Any] = [None] * len(ops)
+        try:
+            for op in puts:
+                txn.physical[id(op)] = self._with_blob_keys(op.prepared)
+            self._puts(txn, list(enumerate(puts)), results)
+        except Exception:  # noqa: BLE001 - _NotLoggable, or an error the DuckDB path reports
+            return None
+        store._commit_seq += 1  # odd until applied, as for a COMMIT
+        try:
+            self._putlog.append(txn.logged)
+        except Exception as e:  # noqa: BLE001 - nothing is applied yet: DuckDB takes the group
+            store._commit_seq += 1
+            log.warning("put log not written, the puts go to DuckDB: %s", e)
+            return None
+        self.commits += 1  # a group commit, to the log
+        self._logged.extend(txn.logged)
+        self.logged_rows += sum(rows.num_rows for _, rows in txn.logged)
+        if self._logged_since is None:
+            self._logged_since = time.monotonic()
+        with store._lock:
+            try:
+                for effect in txn.applies:
+                    effect()
+            finally:
+                store._commit_seq += 1
+            store._notify()
+        if self._flush_due is None and store._has_pending_row_updates():
+            # The loop counted on this group to write them; a DuckDB transaction must.
+            self._flush_due = time.monotonic() + LEASE_FLUSH_DELAY
+        return results
+
+    def _insert_logged(self) -> None:
+        """Insert the logged rows into DuckDB (first thing in each DuckDB transaction), one
+        statement per run of records of the same table and columns."""
+        runs: list[tuple[str, list[pa.Table]]] = []
+        for table, rows in self._logged:
+            if runs and runs[-1][0] == table and runs[-1][1][0].schema.equals(rows.schema):
+                runs[-1][1].append(rows)
+            else:
+                runs.append((table, [rows]))
+        for table, parts in runs:
+            if table in self._store._live:  # else dropped since (its drop inserted them first)
+                # One chunk: DuckDB scans a table of many one-row chunks ~5x slower.
+                insert_rows(self._con, table, parts[0] if len(parts) == 1
+                            else pa.concat_tables(parts).combine_chunks())
+
+    def _logged_committed(self) -> None:
+        """The logged rows are committed to DuckDB: forget them and cut the log back."""
+        self._logged = []
+        self.logged_rows = 0
+        self._logged_since = None
+        self._retry_delay = MATERIALIZE_DELAY
+        self._retry_at = 0.0
+        assert self._putlog is not None
+        try:
+            self._putlog.clear()
+        except OSError as e:  # replay skips rows DuckDB has; only a drop + re-create could mind
+            log.error("the put log could not be cut back: %s", e)
 
     def _start_blob_write(self, txn: _Txn, ops: list[Op]) -> Future | None:
         """Stage the chunks of the group's puts; when they are large, start writing them.
@@ -509,6 +660,8 @@ class Writer:
         next_id = txn.next_row_id.get(tname, live.next_row_id)
         terminal: set[int] = set()
         fresh = _all_fresh(live, txn_rows, keys)
+        if txn.logged is not None and not fresh:
+            raise _NotLoggable("some rows may exist")
         if fresh:  # the bulk case: every row new, numbered in one step
             row_ids = np.arange(next_id, next_id + n, dtype=np.int64)
             txn_rows.update(zip(keys, range(next_id, next_id + n)))
@@ -542,7 +695,9 @@ class Writer:
                 inserted.append((s, "coalesce({}, false)", s))
             into = f"INSERT INTO {quote(tname)} ({', '.join(quote(c) for c, _, _ in inserted)}) "
             sources = [src for _, _, src in inserted if src is not None]
-            if new_rows.num_rows <= VALUES_INSERT_ROWS and _bindable(new_rows, sources):
+            if txn.logged is not None:
+                txn.logged.append((tname, _as_inserted(new_rows, inserted, current)))
+            elif new_rows.num_rows <= VALUES_INSERT_ROWS and _bindable(new_rows, sources):
                 # A few rows: one parametrised INSERT … VALUES costs half of register +
                 # INSERT … SELECT + unregister; the same expressions, with parameters.
                 one = "(" + ", ".join(e.format("?") for _, e, _ in inserted) + ")"
@@ -617,6 +772,11 @@ class Writer:
         new_list = is_new.tolist()
         sets = set_mask.tolist()
         clears = clear_mask.tolist()
+        if txn.logged is not None:
+            required = live.required_mask
+            if any(mask & required == required and not (payload is not None and complete[i])
+                   for i, mask in enumerate(sets)):
+                raise _NotLoggable("a ready row's values would have to be read from DuckDB")
 
         block: RowBlock | None = None
         if fresh and payload is not None and all(complete):
@@ -945,6 +1105,28 @@ def _all_fresh(live: LiveTable, txn_rows: dict[tuple[str, int], int],
     # A row forgotten meanwhile is remembered before it leaves ``rows``, unless the index was
     # given up (see Writer._classify).
     return live.terminal is terminal
+
+
+def _as_inserted(rows: pa.Table, inserted: list[tuple[str, str, str | None]],
+                 current: int) -> pa.Table:
+    """The rows an ``INSERT`` of ``inserted`` (column, SQL expression, source column) would
+    write, computed in Arrow, for the put log."""
+    n = rows.num_rows
+    now = pa.array(np.full(n, time.time_ns() // 1000, "datetime64[us]"),
+                   pa.timestamp("us", "UTC"))
+    columns: list[Any] = []
+    for _, expression, source in inserted:
+        if source is None:
+            assert expression == "now()", expression
+            columns.append(now)
+        elif expression == "{}":
+            columns.append(rows.column(source))
+        elif expression == "coalesce({}, false)":
+            columns.append(pc.fill_null(rows.column(source), False))
+        else:
+            assert expression == f"coalesce({{}}, {int(current)})", expression
+            columns.append(pc.fill_null(rows.column(source), pa.scalar(int(current), pa.int64())))
+    return pa.Table.from_arrays(columns, names=[c for c, _, _ in inserted])
 
 
 def _bumps_apart(ops: list[Op]) -> list[list[Op]]:

@@ -144,7 +144,12 @@ def test_full_database_disk_fails_puts_cleanly_and_recovers(tmpfs):
         filler = fs.fill()
         returned, error = _put_until_failure(s, "v", big=False)
         assert "No space left" in error, error
-        _check_returned(s, returned)
+        # SQL reads go on; puts acknowledged from the put log cannot reach DuckDB meanwhile
+        # and are missing there, but nothing else is, and nothing is wrong.
+        stored = _stored(s)
+        missing = [i for i in returned if i not in stored]
+        assert len(missing) <= s._writer.logged_rows
+        assert all(stored[i] == rh.reward_of(i) for i in returned if i in stored)
         filler.unlink()                               # the cause is gone
         more = _rows("after", 30, big=False)
         s.put("t", more)

@@ -1,0 +1,274 @@
+"""The put log: small fresh puts are durable in ``<db>.putlog`` before DuckDB holds them.
+
+What must hold: an acknowledged put survives a kill -9 before its rows reach DuckDB; every read
+(SQL, stats, claim predicates) sees every acknowledged put; rows the log and DuckDB both hold
+are not inserted twice; a torn tail is dropped; writes that are not all-new, DDL and updates of
+logged rows go through DuckDB in order.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pyarrow as pa
+import pytest
+
+import store
+from store.errors import StaleVersion
+from store.putlog import PutLog, log_path, read_records
+from store import writer
+from store.writer import MATERIALIZE_DELAY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLUMNS = {"prompt": "string", "response": "string", "reward": "float64"}
+
+
+def _row(i: int, **extra: object) -> dict:
+    return {"sample_id": f"q{i}_0_0", "prompt": f"p{i}", "response": f"r{i}",
+            "reward": float(i), **extra}
+
+
+@pytest.fixture
+def slow_inserts(monkeypatch):
+    """Logged rows wait for a read or the close, not for the timer (no race with the test)."""
+    monkeypatch.setattr(writer, "MATERIALIZE_DELAY", 3600.0)
+
+
+def test_a_one_row_put_is_logged_then_inserted(open_store, db_path, slow_inserts):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_row(1)])
+    # Acknowledged, durable in the log, not yet in DuckDB.
+    assert s._writer.logged_rows == 1
+    assert os.path.getsize(log_path(db_path)) > 0
+    assert [t for t, _ in read_records(log_path(db_path))] == ["t"]
+    # A read inserts it first: SQL sees every acknowledged put.
+    got = s.query("SELECT sample_id, prompt, response, reward, reward_status, input_id, turn, "
+                  "trajectory_id, finished_version, created_at IS NOT NULL AS stamped FROM t")
+    assert got.to_pylist() == [{"sample_id": "q1_0_0", "prompt": "p1", "response": "r1",
+                                "reward": 1.0, "reward_status": True, "input_id": "q1",
+                                "turn": 0, "trajectory_id": 0, "finished_version": 0,
+                                "stamped": True}]
+    assert s._writer.logged_rows == 0
+    assert os.path.getsize(log_path(db_path)) == 0
+
+
+def test_logged_rows_reach_duckdb_without_a_read(open_store, db_path):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_row(1)])
+    from waiting import wait_until
+    wait_until(lambda: s._writer.logged_rows == 0, timeout=MATERIALIZE_DELAY * 50)
+    assert os.path.getsize(log_path(db_path)) == 0
+
+
+def test_logged_rows_are_claimed_and_acked(open_store):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    for i in range(5):
+        s.put("t", [_row(i)])
+    claim = s.claim("t", 16)
+    assert sorted(claim.data.column("sample_id").to_pylist()) == [f"q{i}_0_0" for i in range(5)]
+    assert claim.data.column("response").to_pylist() == [f"r{i}" for i in range(5)]
+    assert s.ack(claim.claim_id)["acked"] == 5
+    assert s.query("SELECT count(*) AS n FROM t WHERE consumed").column("n").to_pylist() == [5]
+    assert s.stats("t")["t"]["consumed"] == 5
+
+
+def test_stats_and_claim_predicates_see_logged_rows(open_store):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_row(1), _row(2)])
+    st = s.stats("t")["t"]
+    assert (st["rows"], st["ready"], st["pending"]) == (2, 2, 0)
+    s.put("t", [_row(3)])
+    claim = s.claim("t", 16, where="reward >= 2")
+    assert sorted(claim.data.column("sample_id").to_pylist()) == ["q2_0_0", "q3_0_0"]
+
+
+def test_a_partial_write_of_a_logged_row_updates_it(open_store):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [{"sample_id": "q1_0_0", "prompt": "first"}])  # new, not ready: logged
+    s.put("t", [{"sample_id": "q1_0_0", "response": "then", "reward": 0.5}])  # an update
+    claim = s.claim("t", 4)
+    assert claim.data.select(["prompt", "response", "reward"]).to_pylist() == [
+        {"prompt": "first", "response": "then", "reward": 0.5}]
+    got = s.query("SELECT prompt, response, prompt_status, response_status FROM t")
+    assert got.to_pylist() == [{"prompt": "first", "response": "then", "prompt_status": True,
+                                "response_status": True}]
+
+
+def test_a_resent_put_of_a_logged_row_is_harmless(open_store):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_row(1)])
+    s.put("t", [_row(1)])  # at-least-once producer: same key, goes through DuckDB
+    assert s.query("SELECT count(*) AS n FROM t").column("n").to_pylist() == [1]
+
+
+def test_drop_and_recreate_with_logged_rows(open_store, db_path):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_row(1)])
+    s.drop_table("t")
+    s.create_table("t", COLUMNS)
+    assert s.query("SELECT count(*) AS n FROM t").column("n").to_pylist() == [0]
+    s.close()
+    s = open_store()
+    assert s.query("SELECT count(*) AS n FROM t").column("n").to_pylist() == [0]
+
+
+def test_a_bad_put_in_a_group_fails_alone(open_store):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    futures = [s.put_async("t", [_row(i)]) for i in range(3)]
+    bad = s.put_async("t", [{"sample_id": "q9_0_0", "policy_version": 7, "prompt": "x"}])
+    futures += [s.put_async("t", [_row(i)]) for i in range(3, 6)]
+    for f in futures:
+        f.result(10)
+    with pytest.raises(StaleVersion, match="version"):
+        bad.result(10)
+    assert s.query("SELECT count(*) AS n FROM t").column("n").to_pylist() == [6]
+
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys
+    import store, store.writer
+    store.writer.MATERIALIZE_DELAY = 3600.0  # the rows must still wait in the log when killed
+    s = store.connect(sys.argv[1])
+    s.create_table("t", {"prompt": "string", "response": "string", "reward": "float64"})
+    for i in range(int(sys.argv[2])):
+        s.put("t", [{"sample_id": f"q{i}_0_0", "prompt": f"p{i}", "response": f"r{i}",
+                     "reward": float(i)}])
+    assert s._writer.logged_rows > 0, "the rows should still wait in the put log"
+    print("PUT", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_kill_9_before_insert_loses_no_acknowledged_put(open_store, db_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.run([sys.executable, "-c", CHILD, db_path, "20"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert child.stdout.strip() == "PUT"
+    assert len(list(read_records(log_path(db_path)))) >= 1
+    s = open_store()
+    got = s.query("SELECT sample_id, response FROM t ORDER BY reward")
+    assert got.to_pylist() == [{"sample_id": f"q{i}_0_0", "response": f"r{i}"} for i in range(20)]
+    assert os.path.getsize(log_path(db_path)) == 0
+    assert s.stats("t")["t"]["ready"] == 20
+    claim = s.claim("t", 32)
+    assert claim.data.num_rows == 20
+    s.put("t", [_row(20)])  # row ids go on after the replayed ones
+    assert s.query("SELECT count(DISTINCT row_id) AS n FROM t").column("n").to_pylist() == [21]
+
+
+def _logged_records(db_path: str) -> list[tuple[str, pa.Table]]:
+    return list(read_records(log_path(db_path)))
+
+
+def _as_sample(rows: pa.Table, i: int, row_id: int) -> pa.Table:
+    """A logged one-row record made into sample ``q{i}_0_0`` with row id ``row_id``."""
+    for name, value in (("row_id", pa.array([row_id], pa.int64())),
+                        ("sample_id", pa.array([f"q{i}_0_0"])), ("input_id", pa.array([f"q{i}"]))):
+        at = rows.schema.get_field_index(name)
+        rows = rows.set_column(at, name, value.cast(rows.schema.field(at).type))
+    return rows
+
+
+def _append(db_path: str, records: list[tuple[str, pa.Table]]) -> None:
+    log = PutLog(log_path(db_path))
+    try:
+        log.append(records)
+    finally:
+        log.close()
+
+
+def test_replay_skips_rows_duckdb_already_has(open_store, db_path, slow_inserts):
+    """A crash after the COMMIT that inserted logged rows but before the log was cut back."""
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_row(1)])
+    records = _logged_records(db_path)
+    s.query("SELECT 1")  # inserts them
+    s.close()
+    _append(db_path, records)
+    s = open_store()
+    assert s.query("SELECT count(*) AS n FROM t").column("n").to_pylist() == [1]
+    assert os.path.getsize(log_path(db_path)) == 0
+
+
+def test_replay_keeps_whole_records_and_drops_a_torn_tail(open_store, db_path, slow_inserts):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_row(1)])
+    (table, rows), = _logged_records(db_path)
+    s.close()
+    # One whole record (q5), then half of another (q6): a crash in the middle of its write,
+    # so q6 was never acknowledged.
+    _append(db_path, [(table, _as_sample(rows, 5, 100))])
+    whole = os.path.getsize(log_path(db_path))
+    _append(db_path, [(table, _as_sample(rows, 6, 101))])
+    with open(log_path(db_path), "r+b") as f:
+        f.truncate(whole + (os.path.getsize(log_path(db_path)) - whole) // 2)
+    assert [r.column("sample_id").to_pylist() for _, r in _logged_records(db_path)] == [
+        ["q5_0_0"]]
+    s = open_store()
+    assert sorted(s.query("SELECT sample_id FROM t").column(0).to_pylist()) == [
+        "q1_0_0", "q5_0_0"]
+    assert s.stats("t")["t"]["ready"] == 2
+
+
+def test_a_log_record_of_a_dropped_table_is_ignored(open_store, db_path, slow_inserts):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_row(1)])
+    records = _logged_records(db_path)
+    s.drop_table("t")
+    s.close()
+    _append(db_path, records)
+    s = open_store()
+    assert s.list_tables() == []
+    assert os.path.getsize(log_path(db_path)) == 0
+
+
+def test_a_damaged_record_is_not_replayed(db_path, open_store, slow_inserts):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_row(1)])
+    (table, rows), = _logged_records(db_path)
+    s.close()
+    _append(db_path, [(table, _as_sample(rows, 7, 100))])
+    raw = bytearray(open(log_path(db_path), "rb").read())
+    raw[-5] ^= 0xFF  # a flipped bit in the body: the digest no longer matches
+    open(log_path(db_path), "wb").write(raw)
+    assert _logged_records(db_path) == []
+    s = open_store()
+    assert s.query("SELECT sample_id FROM t").column(0).to_pylist() == ["q1_0_0"]
+
+
+def test_through_the_server_sql_and_subscriptions_see_logged_puts(tmp_path, slow_inserts):
+    from flight_fixtures import running_server
+
+    with running_server(tmp_path / "s.duckdb") as srv:
+        uri = f"grpc://127.0.0.1:{srv.port}"
+        with store.connect(uri) as producer, store.connect(uri) as trainer:
+            producer.create_table("t", COLUMNS)
+            sub = trainer.subscribe("t", micro_batch_size=2, global_batch_size=4)
+            for i in range(4):
+                producer.put("t", [_row(i)])
+            assert srv.store._writer.logged_rows == 4  # acknowledged from the log
+            got = producer.query("SELECT count(*) AS n, sum(reward) AS r FROM t")
+            assert got.to_pylist() == [{"n": 4, "r": 6.0}]
+            batches = [sub.next(timeout=10) for _ in range(2)]
+            assert sorted(s for b in batches for s in b.data.column("sample_id").to_pylist()) \
+                == [f"q{i}_0_0" for i in range(4)]
+            for b in batches:
+                b.ack()
+            assert batches[-1].is_boundary
+            sub.close()
