@@ -1,28 +1,33 @@
-"""The put log: small fresh puts are durable here before DuckDB holds them.
+"""The put log: small fresh puts, acks and version bumps are durable here before DuckDB has them.
 
 Why: a one-row ``INSERT`` into an experience table costs ~1 ms of DuckDB's CPU (~25 µs per column
-of the 29-column layout) and its ``COMMIT`` another ~0.8–1.4 ms, while appending the same row to a
-file and fsyncing it takes ~0.1 ms here. So a group of puts whose rows are all new is appended to
-this log, fsynced and acknowledged; the writer inserts the logged rows into DuckDB later, many puts
-in one statement, at the start of its next DuckDB transaction (and at the latest
+of the 29-column layout) and its ``COMMIT`` another ~0.8–1.4 ms; an ack's ``UPDATE`` ~1.4 ms and a
+bump's two statements ~1.1 ms, each with its own ``BEGIN``/``COMMIT``. Appending the same change to
+a file and fsyncing it takes ~0.1 ms here. So the writer appends such a group to this log, fsyncs
+it and acknowledges it (memory changes as after a commit); it applies the logged changes to DuckDB
+later, many in one statement, at the start of its next DuckDB transaction (and at the latest
 ``MATERIALIZE_DELAY`` after the first, see writer.py). Every read of DuckDB waits for that, so SQL
-sees every acknowledged write.
+sees every acknowledged change.
 
-The file ``<database>.putlog`` holds the rows logged since the last materialization: records of
-a 32-byte header (magic, version, header length, body length, XXH3-64 of both), a JSON header
-naming the table, and the rows as an Arrow IPC stream in the table's own column names. After the
-COMMIT that inserts them the file is cut back to empty. On open, :func:`replay` inserts what a
-crash left there; rows whose key DuckDB already has were inserted by a COMMIT whose cut did not
-happen, and are skipped. A torn last record was never acknowledged and is dropped.
+The file ``<database>.putlog`` holds the changes logged since the last materialization: records
+of a 32-byte header (magic, header length, body length, XXH3-64 of both), a JSON header (the kind
+of change and what it names) and a body, an Arrow IPC stream (the rows to insert, in the table's
+own column names; the rows an ack consumes; the rows a bump makes stale). After the COMMIT that
+applies them the file is cut back to empty. On open, :func:`replay` applies what a crash left
+there. Applying a record twice changes nothing (a COMMIT whose cut did not happen): rows whose key
+DuckDB already has are not inserted again, an ack or a bump writes the same values again. A torn
+or damaged last record was never acknowledged and is dropped.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
-from typing import Iterator
+from typing import Any, Iterator
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import xxhash
 
@@ -31,6 +36,18 @@ from .naming import quote
 
 MAGIC = b"EXPSTPL1"
 _HEADER = struct.Struct("<8sIIQQ")  # magic, header length, 0 (reserved), body length, digest
+
+log = logging.getLogger("expstore.putlog")
+
+#: (kind, header, body): kind "rows" {"table"} / rows to insert; "ack" {"table"} / row_id,
+#: delivery_count, consumed_version, lease_id, lease_owner, updated_at; "leases" {"table"} /
+#: lease bookkeeping (LEASE_ARROW_TYPES); "bump" {"group", "version", "weights_uri", "at"} /
+#: table, row_id of the rows it makes stale.
+Record = tuple[str, dict[str, Any], pa.Table]
+
+LEASE_ARROW_TYPES = {"row_id": pa.int64(), "is_processing": pa.bool_(), "lease_id": pa.string(),
+                     "lease_owner": pa.string(), "lease_expires_at": pa.timestamp("us", "UTC"),
+                     "delivery_count": pa.int32(), "stale": pa.bool_(), "dead": pa.bool_()}
 
 
 def log_path(database: str) -> str:
@@ -45,18 +62,18 @@ class PutLog:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         self.size = os.fstat(self._fd).st_size
 
-    def append(self, records: list[tuple[str, pa.Table]]) -> None:
-        """Write ``(table, rows)`` records; durable when this returns."""
+    def append(self, records: list[Record]) -> None:
+        """Write records; durable when this returns."""
         parts: list[bytes] = []
-        for table, rows in records:
-            header = json.dumps({"table": table}).encode()
+        for kind, header, rows in records:
+            head = json.dumps({"kind": kind, **header}).encode()
             sink = pa.BufferOutputStream()
             with pa.ipc.new_stream(sink, rows.schema) as writer:
                 writer.write_table(rows)
             body = sink.getvalue()
-            digest = xxhash.xxh3_64(header)
+            digest = xxhash.xxh3_64(head)
             digest.update(memoryview(body))
-            parts += [_HEADER.pack(MAGIC, len(header), 0, body.size, digest.intdigest()), header,
+            parts += [_HEADER.pack(MAGIC, len(head), 0, body.size, digest.intdigest()), head,
                       body.to_pybytes()]
         blob = memoryview(b"".join(parts))
         try:
@@ -65,12 +82,12 @@ class PutLog:
                 at += os.write(self._fd, blob[at:])
             os.fdatasync(self._fd)
         except OSError as e:
-            self._cut_back()  # drop a torn tail: the put is refused, nothing of it may replay
+            self._cut_back()  # drop a torn tail: the change is refused, nothing of it may replay
             raise StorageError(f"the put log {self.path!r} could not be written: {e}") from e
         self.size += len(blob)
 
     def clear(self) -> None:
-        """Cut the log back to empty (its rows are committed to DuckDB). Durable, so that no
+        """Cut the log back to empty (its changes are committed to DuckDB). Durable, so that no
         record outlives a later drop and re-create of its table."""
         if self.size:
             os.ftruncate(self._fd, 0)
@@ -87,7 +104,7 @@ class PutLog:
         os.close(self._fd)
 
 
-def read_records(path: str) -> Iterator[tuple[str, pa.Table]]:
+def read_records(path: str) -> Iterator[Record]:
     """The whole records of a put log, in order; stops at a torn or damaged tail."""
     try:
         with open(path, "rb") as f:
@@ -100,56 +117,155 @@ def read_records(path: str) -> Iterator[tuple[str, pa.Table]]:
         start = at + _HEADER.size
         end = start + hlen + blen
         if magic != MAGIC or end > len(data):
-            return
+            break
         check = xxhash.xxh3_64(data[start:start + hlen])
         check.update(data[start + hlen:end])
         if check.intdigest() != digest:
-            return
+            break
         header = json.loads(data[start:start + hlen])
         with pa.ipc.open_stream(pa.py_buffer(data[start + hlen:end])) as reader:
-            yield str(header["table"]), reader.read_all()
+            yield str(header.pop("kind")), header, reader.read_all()
         at = end
+    if at < len(data):
+        log.warning("put log %r: %d bytes after the last whole record ignored (a write the "
+                    "crash cut short, never acknowledged)", path, len(data) - at)
 
 
-def insert_rows(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table,
-                skip_existing: bool = False) -> int:
-    """Insert logged rows into their table (inside the caller's transaction); returns how many
-    were inserted."""
+def apply_records(con: duckdb.DuckDBPyConnection, records: list[Record],
+                  tables: set[str] | dict[str, Any], replaying: bool = False) -> int:
+    """Apply logged changes to DuckDB (inside the caller's transaction); changes to tables not in
+    ``tables`` are skipped (dropped since). ``replaying``: after a crash, when DuckDB may have
+    some of the rows already. Returns the rows inserted.
+
+    One statement per kind and table, not one per record (a statement costs ~1 ms; records
+    alternate when acks and puts interleave), in an order that gives what the log order gives:
+    first the inserts (every other change is of rows inserted before it, and a row is inserted
+    once), then the acks (each row once: a consumed row is never claimed again), then the lease
+    bookkeeping (the last entry of a row wins; it never touches a consumed row, so an ack
+    logged after it wins either way: it writes the lease columns a consumed row keeps), then
+    the bumps in order (they mark rows stale with an OR, as lease bookkeeping does).
+    """
+    inserts: dict[tuple[str, pa.Schema], list[pa.Table]] = {}
+    acks: dict[str, list[pa.Table]] = {}
+    leases: dict[str, list[pa.Table]] = {}
+    bumps: list[tuple[dict[str, Any], pa.Table]] = []
+    for kind, header, rows in records:
+        if kind == "bump":
+            bumps.append((header, rows))
+        elif kind not in ("rows", "ack", "leases"):
+            raise StorageError(f"the put log holds a change of unknown kind {kind!r}")
+        elif header["table"] not in tables:
+            continue
+        elif kind == "rows":
+            inserts.setdefault((header["table"], rows.schema), []).append(rows)
+        else:
+            (acks if kind == "ack" else leases).setdefault(header["table"], []).append(rows)
+    inserted = 0
+    for (table, _), parts in inserts.items():
+        inserted += _insert(con, table, _one(parts), replaying)
+    for table, parts in acks.items():
+        _ack(con, table, _one(parts))
+    for table, parts in leases.items():
+        rows = _one(parts)
+        if len(parts) > 1:  # the last entry of each row
+            ids = rows.column("row_id").to_numpy()[::-1]
+            _, first = np.unique(ids, return_index=True)
+            rows = rows.take(pa.array(len(ids) - 1 - first))
+        with _registered(con, rows):
+            con.execute(lease_update(table, "_expstore_logged"))
+    for header, stale in bumps:
+        _bump(con, header, stale, tables)
+    return inserted
+
+
+def _one(parts: list[pa.Table]) -> pa.Table:
+    """One table of one chunk: DuckDB scans a table of many one-row chunks ~5x slower."""
+    return parts[0] if len(parts) == 1 else pa.concat_tables(parts).combine_chunks()
+
+
+def _insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table, replaying: bool) -> int:
+    """Insert logged rows. Replaying, keys DuckDB already has were inserted before the crash
+    and are skipped (a join with the whole table: only then)."""
     names = ", ".join(quote(n) for n in rows.column_names)
     sql = f"INSERT INTO {quote(table)} ({names}) SELECT {names} FROM _expstore_logged AS b"
-    if skip_existing:
+    if replaying:
         sql += (f" WHERE NOT EXISTS (SELECT 1 FROM {quote(table)} AS t WHERE "
                 "t.sample_id = b.sample_id AND t.policy_version = b.policy_version)")
-    con.register("_expstore_logged", rows)
-    try:
+    with _registered(con, rows):
         row = con.execute(sql).fetchone()
-        return int(row[0]) if row else 0
-    finally:
-        con.unregister("_expstore_logged")
+    return int(row[0]) if row else 0
+
+
+def lease_update(table: str, source: str) -> str:
+    """The UPDATE writing lease bookkeeping from ``source`` (columns as LEASE_ARROW_TYPES).
+    Rows consumed meanwhile stay consumed: only unconsumed ones are touched."""
+    return (f"UPDATE {quote(table)} AS t SET is_processing = b.is_processing, "
+            "lease_id = coalesce(b.lease_id, t.lease_id), "
+            "lease_owner = coalesce(b.lease_owner, t.lease_owner), "
+            "lease_expires_at = b.lease_expires_at, delivery_count = b.delivery_count, "
+            "stale = t.stale OR b.stale, dead = t.dead OR b.dead "
+            f"FROM {source} AS b WHERE t.row_id = b.row_id AND NOT t.consumed")
+
+
+def _ack(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
+    with _registered(con, rows):
+        con.execute(
+            f"UPDATE {quote(table)} AS t SET consumed = true, is_processing = false, "
+            "consumed_version = b.consumed_version, lease_id = b.lease_id, "
+            "lease_owner = b.lease_owner, delivery_count = b.delivery_count, "
+            "updated_at = b.updated_at FROM _expstore_logged AS b WHERE t.row_id = b.row_id")
+
+
+def _bump(con: duckdb.DuckDBPyConnection, header: dict[str, Any], stale: pa.Table,
+          tables: set[str] | dict[str, Any]) -> None:
+    group, version, at = header["group"], int(header["version"]), header["at"]
+    con.execute("UPDATE _expstore_groups SET version = ?, updated_at = ?::TIMESTAMPTZ "
+                "WHERE name = ?", [version, at, group])
+    con.execute("INSERT INTO _expstore_versions (version_group, version, weights_uri, bumped_at) "
+                "SELECT ?, ?, ?, ?::TIMESTAMPTZ WHERE NOT EXISTS (SELECT 1 FROM "
+                "_expstore_versions WHERE version_group = ? AND version = ?)",
+                [group, version, header.get("weights_uri"), at, group, version])
+    by_table: dict[str, list[int]] = {}
+    for table, row_id in zip(stale.column("table").to_pylist(),
+                             stale.column("row_id").to_pylist()):
+        by_table.setdefault(table, []).append(row_id)
+    for table, row_ids in by_table.items():
+        if table in tables:
+            con.execute(f"UPDATE {quote(table)} SET stale = true, updated_at = ?::TIMESTAMPTZ "
+                        "WHERE row_id IN (SELECT unnest(?::BIGINT[]))", [at, row_ids])
+
+
+class _registered:
+    def __init__(self, con: duckdb.DuckDBPyConnection, rows: pa.Table) -> None:
+        self._con, self._rows = con, rows
+
+    def __enter__(self) -> None:
+        self._con.register("_expstore_logged", self._rows)
+
+    def __exit__(self, *exc: object) -> None:
+        self._con.unregister("_expstore_logged")
 
 
 def replay(con: duckdb.DuckDBPyConnection, database: str) -> int:
-    """Insert what a put log left behind (a crash before its rows reached DuckDB); returns the
+    """Apply what a put log left behind (a crash before its changes reached DuckDB); returns the
     rows inserted. Runs before the store loads its state."""
     path = log_path(database)
     records = list(read_records(path))
-    if not records:
-        return 0
-    tables = {r[0] for r in con.execute("SELECT name FROM _expstore_tables").fetchall()}
-    inserted = 0
-    con.execute("BEGIN TRANSACTION")
-    try:
-        for table, rows in records:
-            if table not in tables:
-                continue  # dropped after its rows were committed
-            inserted += insert_rows(con, table, rows, skip_existing=True)
-        con.execute("COMMIT")
-    except BaseException as e:
-        con.execute("ROLLBACK")
-        raise StorageError(f"the put log {path!r} could not be replayed: {e}") from e
-    log = PutLog(path)
-    try:
-        log.clear()
-    finally:
-        log.close()
+    if records:
+        tables = {r[0] for r in con.execute("SELECT name FROM _expstore_tables").fetchall()}
+        con.execute("BEGIN TRANSACTION")
+        try:
+            inserted = apply_records(con, records, tables, replaying=True)
+            con.execute("COMMIT")
+        except BaseException as e:
+            con.execute("ROLLBACK")
+            raise StorageError(f"the put log {path!r} could not be replayed: {e}") from e
+    else:
+        inserted = 0
+    if os.path.exists(path):
+        log_file = PutLog(path)
+        try:
+            log_file.clear()
+        finally:
+            log_file.close()
     return inserted

@@ -7,10 +7,15 @@ transaction (its blob chunks written and fsynced before the COMMIT), commits, th
 effects to the in-memory index and answers each caller. A caller's future resolves only after
 the commit, so a returned write is durable.
 
+A group of only fresh small puts, acks and a bump is made durable in the put log instead (an
+append and an fsync; see store/putlog.py) and applied to DuckDB, in log order, at the start of the
+next DuckDB transaction.
+
 If a group fails, each operation is retried alone so that one bad operation fails only its caller.
 """
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import logging
 import queue
@@ -32,7 +37,7 @@ from .errors import ExpstoreError, NotFound, StaleVersion, StorageError, StoreCl
 from .live import LEASED, Lease, LiveTable, Row, RowBlock
 from .naming import quote
 from .prepare import PreparedPut
-from .putlog import PutLog, insert_rows
+from .putlog import LEASE_ARROW_TYPES, PutLog, Record, apply_records, lease_update
 from .types import one_array
 
 if TYPE_CHECKING:
@@ -149,8 +154,8 @@ class _Txn:
         self.row_updates: dict[str, list[tuple]] = {}
         # id(put op) -> its rows with blob keys, made before any statement runs.
         self.physical: dict[int, pa.Table] = {}
-        # Set for a group of puts going to the put log: (table, rows as inserted) to log.
-        self.logged: list[tuple[str, pa.Table]] | None = None
+        # Set for a group going to the put log: the records of its changes.
+        self.logged: list[Record] | None = None
 
 
 class Writer:
@@ -161,8 +166,8 @@ class Writer:
         self._store = store
         self._con = con
         self._putlog = putlog
-        # Rows durable in the put log, not yet in DuckDB: (table, rows), oldest first.
-        self._logged: list[tuple[str, pa.Table]] = []
+        # Changes durable in the put log, not yet in DuckDB, oldest first.
+        self._logged: list[Record] = []
         self.logged_rows = 0
         self._logged_since: float | None = None
         # After a failed insert of logged rows (a full disk), wait this long before the next try.
@@ -207,7 +212,7 @@ class Writer:
     def materialize(self) -> None:
         """Return once every row acknowledged so far is in DuckDB (readers call this first, so
         that SQL sees every acknowledged write)."""
-        if self.logged_rows and threading.current_thread() is not self._thread:
+        if self._logged and threading.current_thread() is not self._thread:
             try:
                 self.call(FlushOp())
             except StorageError as e:
@@ -242,10 +247,11 @@ class Writer:
             except queue.Empty:
                 self._store._expire_leases()
                 due = self._flush_due is not None and time.monotonic() >= self._flush_due
-                if due or (self._flush_due is None and self._store._has_pending_row_updates()) \
-                        or self._materialize_due():
+                if due or (self._flush_due is None and self._store._has_pending_row_updates()):
                     self._flush_due = None
                     self._run_group([])
+                if self._materialize_due():
+                    self._materialize()
                 self._maybe_checkpoint()
                 continue
             ops: list[Op] = []
@@ -267,10 +273,17 @@ class Writer:
                 for part in _bumps_apart(ops):
                     self._run_group(part)
             if self._materialize_due() or (stop and self._logged):
-                self._run_group([])
+                self._materialize()
             if stop:
                 self._drain_closed()
                 return
+
+    def _materialize(self) -> None:
+        """Apply the logged changes to DuckDB now (a transaction of nothing else)."""
+        try:
+            self._transaction([])
+        except Exception as e:  # noqa: BLE001 - tried again later (see _retry_at)
+            log.error("applying the put log to DuckDB failed: %s", e)
 
     def _materialize_due(self) -> bool:
         if self._logged_since is None:
@@ -312,10 +325,7 @@ class Writer:
         if self._logged and any(isinstance(op, CallOp) for op in ops):
             # DDL commits apart from logged rows: a crash between that COMMIT and cutting the
             # log back must not leave rows of a dropped table to replay into a new one.
-            try:
-                self._transaction([])
-            except Exception as e:  # noqa: BLE001 - the group's own transaction tries again
-                log.error("inserting logged rows failed: %s", e)
+            self._materialize()
         try:
             results, txn = self._transaction(ops)
         except Exception as group_error:  # noqa: BLE001 - isolate the culprit below
@@ -422,28 +432,9 @@ class Writer:
         blob_write: Future | None = None
         logged = len(self._logged)
         try:
-            self._insert_logged()
+            apply_records(con, self._logged, store._live)  # first: changes stay in order
             blob_write = self._start_blob_write(txn, ops)
-            puts: list[tuple[int, PutOp]] = []
-            for i, op in enumerate(ops):
-                if isinstance(op, PutOp):
-                    puts.append((i, op))
-                    continue
-                if puts:
-                    self._puts(txn, puts, results)
-                    puts = []
-                if isinstance(op, SettleOp):
-                    results[i] = self._settle(txn, op)
-                elif isinstance(op, BumpOp):
-                    results[i] = self._bump(txn, op)
-                elif isinstance(op, CallOp):
-                    value = op.run(con)
-                    if op.apply is not None:
-                        apply = op.apply
-                        txn.applies.append(functools.partial(apply, value))
-                    results[i] = value
-            if puts:
-                self._puts(txn, puts, results)
+            self._run_ops(txn, ops, results)
             self._row_updates(txn)
             if blob_write is None:
                 store.blobs.sync()
@@ -493,43 +484,73 @@ class Writer:
             store._notify()
         return results, txn
 
+    def _run_ops(self, txn: _Txn, ops: list[Op], results: list[Any]) -> None:
+        """Run a group's operations in order (consecutive puts together)."""
+        puts: list[tuple[int, PutOp]] = []
+        for i, op in enumerate(ops):
+            if isinstance(op, PutOp):
+                puts.append((i, op))
+                continue
+            if puts:
+                self._puts(txn, puts, results)
+                puts = []
+            if isinstance(op, SettleOp):
+                results[i] = self._settle(txn, op)
+            elif isinstance(op, BumpOp):
+                results[i] = self._bump(txn, op)
+            elif isinstance(op, CallOp):
+                if txn.logged is not None:
+                    raise _NotLoggable("DDL and maintenance run in DuckDB")
+                value = op.run(self._con)
+                if op.apply is not None:
+                    apply = op.apply
+                    txn.applies.append(functools.partial(apply, value))
+                results[i] = value
+        if puts:
+            self._puts(txn, puts, results)
+
     # -- the put log ---------------------------------------------------------------------------
     def _log_puts(self, ops: list[Op]) -> list[Any] | None:
-        """Make a group of puts durable in the put log instead of DuckDB; their results, or
-        None when the group must go through DuckDB.
+        """Make a group durable in the put log instead of DuckDB; its results, or None when
+        the group must go through DuckDB.
 
-        A group qualifies when it is only puts without blob chunks, of at most LOG_PUT_ROWS rows,
-        every row new (a key DuckDB may hold goes through DuckDB, which decides insert or update)
-        and every ready row claimable from the values written (claims must not read DuckDB for
-        it). The statements the DuckDB path would run are planned the same way, but their rows
-        are logged; nothing changes in memory until the log is durable, so a group that turns
-        out not to qualify (or a stale version, which the DuckDB path reports) falls back whole.
+        A group qualifies when it is only puts, acks and bumps (a bump is alone in its group),
+        its puts without blob chunks, of at most LOG_PUT_ROWS rows, every row new (a key DuckDB
+        may hold goes through DuckDB, which decides insert or update) and every ready row
+        claimable from the values written (claims must not read DuckDB for it). The group runs
+        as in a transaction, but its statements become records; memory changes only once the
+        log is durable, so a group that turns out not to qualify (or fails, e.g. on a stale
+        version, which the DuckDB path then reports) falls back whole.
         """
         puts = [op for op in ops if isinstance(op, PutOp)]
-        if self._putlog is None or not ops or len(puts) < len(ops) \
+        store = self._store
+        if self._putlog is None or (not ops and not store._has_pending_row_updates()) or any(
+                not isinstance(op, (PutOp, BumpOp)) and not (isinstance(op, SettleOp) and op.ack)
+                for op in ops) \
                 or any(op.prepared.chunks for op in puts) \
                 or sum(op.prepared.rows for op in puts) > LOG_PUT_ROWS:
             return None
-        store = self._store
         txn = _Txn()
         txn.logged = []
         results: list[Any] = [None] * len(ops)
         try:
             for op in puts:
                 txn.physical[id(op)] = self._with_blob_keys(op.prepared)
-            self._puts(txn, list(enumerate(puts)), results)
+            self._run_ops(txn, ops, results)
         except Exception:  # noqa: BLE001 - _NotLoggable, or an error the DuckDB path reports
             return None
+        updates = self._log_row_updates(txn)
         store._commit_seq += 1  # odd until applied, as for a COMMIT
         try:
             self._putlog.append(txn.logged)
         except Exception as e:  # noqa: BLE001 - nothing is applied yet: DuckDB takes the group
+            store._requeue_row_updates(updates)
             store._commit_seq += 1
-            log.warning("put log not written, the puts go to DuckDB: %s", e)
+            log.warning("put log not written, the group goes to DuckDB: %s", e)
             return None
         self.commits += 1  # a group commit, to the log
         self._logged.extend(txn.logged)
-        self.logged_rows += sum(rows.num_rows for _, rows in txn.logged)
+        self.logged_rows += sum(rows.num_rows for _, _, rows in txn.logged)
         if self._logged_since is None:
             self._logged_since = time.monotonic()
         with store._lock:
@@ -537,27 +558,10 @@ class Writer:
                 for effect in txn.applies:
                     effect()
             finally:
+                store._flushing = {}
                 store._commit_seq += 1
             store._notify()
-        if self._flush_due is None and store._has_pending_row_updates():
-            # The loop counted on this group to write them; a DuckDB transaction must.
-            self._flush_due = time.monotonic() + LEASE_FLUSH_DELAY
         return results
-
-    def _insert_logged(self) -> None:
-        """Insert the logged rows into DuckDB (first thing in each DuckDB transaction), one
-        statement per run of records of the same table and columns."""
-        runs: list[tuple[str, list[pa.Table]]] = []
-        for table, rows in self._logged:
-            if runs and runs[-1][0] == table and runs[-1][1][0].schema.equals(rows.schema):
-                runs[-1][1].append(rows)
-            else:
-                runs.append((table, [rows]))
-        for table, parts in runs:
-            if table in self._store._live:  # else dropped since (its drop inserted them first)
-                # One chunk: DuckDB scans a table of many one-row chunks ~5x slower.
-                insert_rows(self._con, table, parts[0] if len(parts) == 1
-                            else pa.concat_tables(parts).combine_chunks())
 
     def _logged_committed(self) -> None:
         """The logged rows are committed to DuckDB: forget them and cut the log back."""
@@ -696,7 +700,8 @@ class Writer:
             into = f"INSERT INTO {quote(tname)} ({', '.join(quote(c) for c, _, _ in inserted)}) "
             sources = [src for _, _, src in inserted if src is not None]
             if txn.logged is not None:
-                txn.logged.append((tname, _as_inserted(new_rows, inserted, current)))
+                txn.logged.append(("rows", {"table": tname},
+                                   _as_inserted(new_rows, inserted, current)))
             elif new_rows.num_rows <= VALUES_INSERT_ROWS and _bindable(new_rows, sources):
                 # A few rows: one parametrised INSERT … VALUES costs half of register +
                 # INSERT … SELECT + unregister; the same expressions, with parameters.
@@ -945,6 +950,16 @@ class Writer:
                 continue
             if op.ack:
                 version = store._versions[store._live[tname].tdef.version_group]
+                if txn.logged is not None:
+                    n = len(rows)
+                    txn.logged.append(("ack", {"table": tname}, pa.table({
+                        "row_id": pa.array([r.row_id for r, _ in rows], pa.int64()),
+                        "delivery_count": pa.array([r.deliveries for r, _ in rows], pa.int32()),
+                        "consumed_version": pa.array([version] * n, pa.int64()),
+                        "lease_id": pa.array([lease.claim_id] * n, pa.string()),
+                        "lease_owner": pa.array([lease.owner] * n, pa.string()),
+                        "updated_at": _now(n)})))
+                    continue
                 # The claim's lease columns may not be flushed yet (and never will be once the
                 # row is consumed), so the ack writes the delivery count and owner itself.
                 acked: ListColumns = {"row_id": ("BIGINT", [r.row_id for r, _ in rows]),
@@ -983,10 +998,11 @@ class Writer:
                                   f"{op.expected}; another trainer bumped it first")
         new = current + 1
         con = self._con
-        con.execute("UPDATE _expstore_groups SET version = ?, updated_at = now() WHERE name = ?",
-                    [new, op.group])
-        con.execute("INSERT INTO _expstore_versions (version_group, version, weights_uri) "
-                    "VALUES (?, ?, ?)", [op.group, new, op.weights_uri])
+        if txn.logged is None:
+            con.execute("UPDATE _expstore_groups SET version = ?, updated_at = now() "
+                        "WHERE name = ?", [new, op.group])
+            con.execute("INSERT INTO _expstore_versions (version_group, version, weights_uri) "
+                        "VALUES (?, ?, ?)", [op.group, new, op.weights_uri])
         stale: list[tuple[LiveTable, list[Row]]] = []
         for live in store._live.values():
             if live.tdef.version_group != op.group:
@@ -996,10 +1012,19 @@ class Writer:
                 live.build_blocks_below(bound)
             rows = live.stale_rows(bound)
             if rows:
-                con.execute(f"UPDATE {quote(live.tdef.name)} SET stale = true, updated_at = now() "
-                            "WHERE row_id IN (SELECT unnest(?::BIGINT[]))",
-                            [[r.row_id for r in rows]])
+                if txn.logged is None:
+                    con.execute(f"UPDATE {quote(live.tdef.name)} SET stale = true, "
+                                "updated_at = now() WHERE row_id IN (SELECT unnest(?::BIGINT[]))",
+                                [[r.row_id for r in rows]])
                 stale.append((live, rows))
+        if txn.logged is not None:
+            txn.logged.append(("bump", {
+                "group": op.group, "version": new, "weights_uri": op.weights_uri,
+                "at": dt.datetime.now(dt.timezone.utc).isoformat()}, pa.table({
+                    "table": pa.array([live.tdef.name for live, rows in stale for _ in rows],
+                                      pa.string()),
+                    "row_id": pa.array([r.row_id for _, rows in stale for r in rows],
+                                       pa.int64())})))
 
         def apply() -> None:
             store.counters["version_bumps"] += 1
@@ -1029,14 +1054,18 @@ class Writer:
             leases: ListColumns = {name: (kind, [r[i] for r in rows])
                                    for i, (name, kind) in enumerate(_LEASE_COLUMNS)}
             with row_source(con, "_expstore_leases", leases) as (source, params):
-                # Rows acked in this same transaction stay consumed: only touch unconsumed ones.
-                con.execute(
-                    f"UPDATE {quote(tname)} AS t SET is_processing = b.is_processing, "
-                    "lease_id = coalesce(b.lease_id, t.lease_id), "
-                    "lease_owner = coalesce(b.lease_owner, t.lease_owner), "
-                    "lease_expires_at = b.lease_expires_at, delivery_count = b.delivery_count, "
-                    "stale = t.stale OR b.stale, dead = t.dead OR b.dead "
-                    f"FROM {source} AS b WHERE t.row_id = b.row_id AND NOT t.consumed", params)
+                con.execute(lease_update(tname, source), params)
+
+    def _log_row_updates(self, txn: _Txn) -> dict[str, list[tuple]]:
+        """The lease bookkeeping a logged group carries (as a DuckDB transaction would)."""
+        assert txn.logged is not None
+        updates = self._store._take_row_updates()
+        for tname, rows in updates.items():
+            if tname in self._store._live:
+                txn.logged.append(("leases", {"table": tname}, pa.table({
+                    name: pa.array([r[i] for r in rows], LEASE_ARROW_TYPES[name])
+                    for i, (name, _) in enumerate(_LEASE_COLUMNS)})))
+        return updates
 
 
 @contextmanager
@@ -1112,8 +1141,7 @@ def _as_inserted(rows: pa.Table, inserted: list[tuple[str, str, str | None]],
     """The rows an ``INSERT`` of ``inserted`` (column, SQL expression, source column) would
     write, computed in Arrow, for the put log."""
     n = rows.num_rows
-    now = pa.array(np.full(n, time.time_ns() // 1000, "datetime64[us]"),
-                   pa.timestamp("us", "UTC"))
+    now = _now(n)
     columns: list[Any] = []
     for _, expression, source in inserted:
         if source is None:
@@ -1127,6 +1155,12 @@ def _as_inserted(rows: pa.Table, inserted: list[tuple[str, str, str | None]],
             assert expression == f"coalesce({{}}, {int(current)})", expression
             columns.append(pc.fill_null(rows.column(source), pa.scalar(int(current), pa.int64())))
     return pa.Table.from_arrays(columns, names=[c for c, _, _ in inserted])
+
+
+def _now(n: int) -> pa.Array:
+    """The time now, ``n`` times, as DuckDB's now() would give it to a TIMESTAMPTZ column."""
+    return pa.array(np.full(n, time.time_ns() // 1000, "datetime64[us]"),
+                    pa.timestamp("us", "UTC"))
 
 
 def _bumps_apart(ops: list[Op]) -> list[list[Op]]:

@@ -17,8 +17,9 @@ import pyarrow as pa
 import pytest
 
 import store
+from waiting import wait_until
 from store.errors import StaleVersion
-from store.putlog import PutLog, log_path, read_records
+from store.putlog import PutLog, Record, log_path, read_records
 from store import writer
 from store.writer import MATERIALIZE_DELAY
 
@@ -33,8 +34,9 @@ def _row(i: int, **extra: object) -> dict:
 
 @pytest.fixture
 def slow_inserts(monkeypatch):
-    """Logged rows wait for a read or the close, not for the timer (no race with the test)."""
+    """Logged changes wait for a read or the close, not for a timer (no race with the test)."""
     monkeypatch.setattr(writer, "MATERIALIZE_DELAY", 3600.0)
+    monkeypatch.setattr(writer, "LEASE_FLUSH_DELAY", 3600.0)
 
 
 def test_a_one_row_put_is_logged_then_inserted(open_store, db_path, slow_inserts):
@@ -44,7 +46,7 @@ def test_a_one_row_put_is_logged_then_inserted(open_store, db_path, slow_inserts
     # Acknowledged, durable in the log, not yet in DuckDB.
     assert s._writer.logged_rows == 1
     assert os.path.getsize(log_path(db_path)) > 0
-    assert [t for t, _ in read_records(log_path(db_path))] == ["t"]
+    assert [(k, h) for k, h, _ in read_records(log_path(db_path))] == [("rows", {"table": "t"})]
     # A read inserts it first: SQL sees every acknowledged put.
     got = s.query("SELECT sample_id, prompt, response, reward, reward_status, input_id, turn, "
                   "trajectory_id, finished_version, created_at IS NOT NULL AS stamped FROM t")
@@ -60,7 +62,6 @@ def test_logged_rows_reach_duckdb_without_a_read(open_store, db_path):
     s = open_store()
     s.create_table("t", COLUMNS)
     s.put("t", [_row(1)])
-    from waiting import wait_until
     wait_until(lambda: s._writer.logged_rows == 0, timeout=MATERIALIZE_DELAY * 50)
     assert os.path.getsize(log_path(db_path)) == 0
 
@@ -168,7 +169,7 @@ def test_kill_9_before_insert_loses_no_acknowledged_put(open_store, db_path):
     assert s.query("SELECT count(DISTINCT row_id) AS n FROM t").column("n").to_pylist() == [21]
 
 
-def _logged_records(db_path: str) -> list[tuple[str, pa.Table]]:
+def _logged_records(db_path: str) -> list[Record]:
     return list(read_records(log_path(db_path)))
 
 
@@ -181,7 +182,7 @@ def _as_sample(rows: pa.Table, i: int, row_id: int) -> pa.Table:
     return rows
 
 
-def _append(db_path: str, records: list[tuple[str, pa.Table]]) -> None:
+def _append(db_path: str, records: list[Record]) -> None:
     log = PutLog(log_path(db_path))
     try:
         log.append(records)
@@ -207,16 +208,16 @@ def test_replay_keeps_whole_records_and_drops_a_torn_tail(open_store, db_path, s
     s = open_store()
     s.create_table("t", COLUMNS)
     s.put("t", [_row(1)])
-    (table, rows), = _logged_records(db_path)
+    (kind, header, rows), = _logged_records(db_path)
     s.close()
     # One whole record (q5), then half of another (q6): a crash in the middle of its write,
     # so q6 was never acknowledged.
-    _append(db_path, [(table, _as_sample(rows, 5, 100))])
+    _append(db_path, [(kind, header, _as_sample(rows, 5, 100))])
     whole = os.path.getsize(log_path(db_path))
-    _append(db_path, [(table, _as_sample(rows, 6, 101))])
+    _append(db_path, [(kind, header, _as_sample(rows, 6, 101))])
     with open(log_path(db_path), "r+b") as f:
         f.truncate(whole + (os.path.getsize(log_path(db_path)) - whole) // 2)
-    assert [r.column("sample_id").to_pylist() for _, r in _logged_records(db_path)] == [
+    assert [r.column("sample_id").to_pylist() for _, _, r in _logged_records(db_path)] == [
         ["q5_0_0"]]
     s = open_store()
     assert sorted(s.query("SELECT sample_id FROM t").column(0).to_pylist()) == [
@@ -241,9 +242,9 @@ def test_a_damaged_record_is_not_replayed(db_path, open_store, slow_inserts):
     s = open_store()
     s.create_table("t", COLUMNS)
     s.put("t", [_row(1)])
-    (table, rows), = _logged_records(db_path)
+    (kind, header, rows), = _logged_records(db_path)
     s.close()
-    _append(db_path, [(table, _as_sample(rows, 7, 100))])
+    _append(db_path, [(kind, header, _as_sample(rows, 7, 100))])
     raw = bytearray(open(log_path(db_path), "rb").read())
     raw[-5] ^= 0xFF  # a flipped bit in the body: the digest no longer matches
     open(log_path(db_path), "wb").write(raw)
@@ -262,7 +263,8 @@ def test_through_the_server_sql_and_subscriptions_see_logged_puts(tmp_path, slow
             sub = trainer.subscribe("t", micro_batch_size=2, global_batch_size=4)
             for i in range(4):
                 producer.put("t", [_row(i)])
-            assert srv.store._writer.logged_rows == 4  # acknowledged from the log
+            logged = srv.store._writer._logged  # acknowledged from the log
+            assert sum(r.num_rows for kind, _, r in logged if kind == "rows") == 4
             got = producer.query("SELECT count(*) AS n, sum(reward) AS r FROM t")
             assert got.to_pylist() == [{"n": 4, "r": 6.0}]
             batches = [sub.next(timeout=10) for _ in range(2)]
@@ -272,3 +274,124 @@ def test_through_the_server_sql_and_subscriptions_see_logged_puts(tmp_path, slow
                 b.ack()
             assert batches[-1].is_boundary
             sub.close()
+
+
+# -- acks and bumps ---------------------------------------------------------------------------
+def test_acks_and_bumps_are_logged_and_sql_sees_them(open_store, db_path, slow_inserts):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    for i in range(6):
+        s.put("t", [_row(i)])
+    claim = s.claim("t", 4)
+    s.query("SELECT 1")  # inserts the rows: what follows is logged on its own
+    assert s.ack(claim.claim_id)["acked"] == 4
+    assert s.bump_version("t", weights_uri="file:///w/1") == 1
+    assert [k for k, _, _ in _logged_records(db_path)] == ["ack", "bump"]
+    got = s.query("SELECT count(*) FILTER (WHERE consumed) AS consumed, "
+                  "count(*) FILTER (WHERE stale) AS stale, "
+                  "max(consumed_version) AS v, max(delivery_count) AS d FROM t")
+    assert got.to_pylist() == [{"consumed": 4, "stale": 2, "v": 0, "d": 1}]
+    history = s.query("SELECT version, weights_uri FROM _expstore_versions ORDER BY version")
+    assert history.to_pylist() == [{"version": 0, "weights_uri": None},
+                                   {"version": 1, "weights_uri": "file:///w/1"}]
+    assert s._writer.logged_rows == 0
+
+
+def test_a_nack_after_logged_changes_keeps_their_order(open_store, slow_inserts):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_row(1)])  # logged
+    claim = s.claim("t", 4)
+    s.nack(claim.claim_id)  # through DuckDB: the logged row goes in first
+    again = s.claim("t", 4)
+    assert again.data.column("delivery_count").to_pylist() == [2]
+    s.ack(again.claim_id)
+    got = s.query("SELECT consumed, delivery_count FROM t")
+    assert got.to_pylist() == [{"consumed": True, "delivery_count": 2}]
+
+
+CHILD_ACKS = textwrap.dedent("""
+    import os, signal, sys
+    import store, store.writer
+    store.writer.MATERIALIZE_DELAY = 3600.0  # the changes must still wait in the log
+    s = store.connect(sys.argv[1])
+    s.create_table("t", {"prompt": "string", "reward": "float64"})
+    for i in range(10):
+        s.put("t", [{"sample_id": f"q{i}_0_0", "prompt": f"p{i}", "reward": float(i)}])
+    s.query("SELECT 1")
+    claim = s.claim("t", 6)
+    s.ack(claim.claim_id)
+    s.bump_version("t", weights_uri="file:///w/1")
+    kinds = [r[0] for r in s._writer._logged]
+    assert kinds == ["ack", "bump"], kinds
+    print("DONE", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_kill_9_loses_no_logged_ack_or_bump(open_store, db_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.run([sys.executable, "-c", CHILD_ACKS, db_path], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert child.stdout.strip() == "DONE"
+    s = open_store()
+    assert s.get_version("t") == 1
+    assert s.weights_uri("t") == "file:///w/1"
+    st = s.stats("t")["t"]
+    assert (st["consumed"], st["stale"], st["ready"]) == (6, 4, 0)
+    assert s.claim("t", 16).data.num_rows == 0  # nothing of version 0 is handed out again
+    got = s.query("SELECT count(*) AS n FROM t WHERE consumed AND lease_id IS NOT NULL "
+                  "AND consumed_version = 0")
+    assert got.column("n").to_pylist() == [6]
+
+
+def test_replaying_acks_and_bumps_twice_changes_nothing(open_store, db_path, slow_inserts):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    for i in range(3):
+        s.put("t", [_row(i)])
+    s.query("SELECT 1")
+    claim = s.claim("t", 2)
+    s.ack(claim.claim_id)
+    s.bump_version("t")
+    records = _logged_records(db_path)
+    before = s.query("SELECT sample_id, consumed, stale, delivery_count, consumed_version "
+                     "FROM t ORDER BY sample_id").to_pylist()
+    s.close()
+    _append(db_path, records)  # as if the log had not been cut back after their COMMIT
+    s = open_store()
+    assert s.query("SELECT sample_id, consumed, stale, delivery_count, consumed_version "
+                   "FROM t ORDER BY sample_id").to_pylist() == before
+    assert s.query("SELECT count(*) AS n FROM _expstore_versions").column(0).to_pylist() == [2]
+    assert s.get_version("t") == 1
+
+
+def test_logged_changes_of_one_row_apply_in_log_order(open_store, db_path, slow_inserts):
+    """Records are applied one statement per kind and table: the last lease of a row wins, and
+    acks interleaved with puts land on the rows the puts inserted."""
+    s = open_store()
+    s.create_table("t", COLUMNS, lease_seconds=60.0)
+    s.put("t", [_row(0)])
+    first = s.claim("t", 1, lease_seconds=0.2)
+    s.put("t", [_row(1)])  # carries the first lease's bookkeeping
+    wait_until(lambda: not s.leases("t"), timeout=10)  # expired: q0 is ready again
+    second = s.claim("t", 2)
+    assert second.data.column("sample_id").to_pylist() == ["q0_0_0", "q1_0_0"]
+    s.put("t", [_row(2)])  # carries the second lease's bookkeeping
+    for i in range(3, 9):  # puts and acks alternating
+        s.put("t", [_row(i)])
+        s.ack(s.claim("t", 1).claim_id)
+    kinds = [k for k, _, _ in _logged_records(db_path)]
+    assert kinds.count("leases") >= 2 and kinds.count("ack") == 6 and kinds.count("rows") == 9
+    got = s.query("SELECT sample_id, is_processing, lease_id, delivery_count, consumed FROM t "
+                  "WHERE NOT consumed ORDER BY sample_id").to_pylist()
+    assert got == [
+        {"sample_id": "q0_0_0", "is_processing": True, "lease_id": second.claim_id,
+         "delivery_count": 2, "consumed": False},
+        {"sample_id": "q1_0_0", "is_processing": True, "lease_id": second.claim_id,
+         "delivery_count": 1, "consumed": False},
+        {"sample_id": "q8_0_0", "is_processing": False, "lease_id": None, "delivery_count": 0,
+         "consumed": False}]  # the claims in the loop took q2..q7 in order
+    assert first.claim_id != second.claim_id
+    assert s.query("SELECT count(*) AS n FROM t WHERE consumed").column(0).to_pylist() == [6]
