@@ -428,6 +428,8 @@ class Writer:
         con = self._con
         txn = _Txn()
         results: list[Any] = [None] * len(ops)
+        if self._putlog is not None:
+            self._putlog.sync_cut()  # see PutLog.clear
         con.execute("BEGIN TRANSACTION")
         blob_write: Future | None = None
         logged = len(self._logged)

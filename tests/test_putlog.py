@@ -395,3 +395,29 @@ def test_logged_changes_of_one_row_apply_in_log_order(open_store, db_path, slow_
          "consumed": False}]  # the claims in the loop took q2..q7 in order
     assert first.claim_id != second.claim_id
     assert s.query("SELECT count(*) AS n FROM t WHERE consumed").column(0).to_pylist() == [6]
+
+
+def test_a_replayed_old_bump_never_takes_the_version_back(open_store, db_path, slow_inserts):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.bump_version("t")
+    old = _logged_records(db_path)
+    s.query("SELECT 1")
+    s.bump_version("t")
+    s.close()
+    _append(db_path, old)  # a cut that did not survive, records of version 1 found again
+    s = open_store()
+    assert s.get_version("t") == 2
+    assert s.query("SELECT version FROM _expstore_groups").column(0).to_pylist() == [2]
+
+
+def test_a_cut_is_durable_before_another_commit(open_store, db_path, slow_inserts):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_row(1)])
+    s.query("SELECT 1")  # applies the record, cuts the log
+    assert os.path.getsize(log_path(db_path)) == 0
+    assert s._writer._putlog._cut_unsynced
+    claim = s.claim("t", 1)
+    s.nack(claim.claim_id)  # a DuckDB commit: the cut is made durable first
+    assert not s._writer._putlog._cut_unsynced
