@@ -65,18 +65,10 @@ class PutLog:
 
     def append(self, records: list[Record]) -> None:
         """Write records; durable when this returns."""
-        parts: list[bytes] = []
-        for kind, header, rows in records:
-            head = json.dumps({"kind": kind, **header}).encode()
-            sink = pa.BufferOutputStream()
-            with pa.ipc.new_stream(sink, rows.schema) as writer:
-                writer.write_table(rows)
-            body = sink.getvalue()
-            digest = xxhash.xxh3_64(head)
-            digest.update(memoryview(body))
-            parts += [_HEADER.pack(MAGIC, len(head), 0, body.size, digest.intdigest()), head,
-                      body.to_pybytes()]
-        blob = memoryview(b"".join(parts))
+        self.write(encode(records))
+
+    def write(self, blob: memoryview) -> None:
+        """Write :func:`encode`'s bytes; durable when this returns."""
         try:
             at = 0
             while at < len(blob):
@@ -120,6 +112,22 @@ class PutLog:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def encode(records: list[Record]) -> memoryview:
+    """Records as the bytes :meth:`PutLog.write` appends."""
+    parts: list[bytes] = []
+    for kind, header, rows in records:
+        head = json.dumps({"kind": kind, **header}).encode()
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, rows.schema) as writer:
+            writer.write_table(rows)
+        body = sink.getvalue()
+        digest = xxhash.xxh3_64(head)
+        digest.update(memoryview(body))
+        parts += [_HEADER.pack(MAGIC, len(head), 0, body.size, digest.intdigest()), head,
+                  body.to_pybytes()]
+    return memoryview(b"".join(parts))
 
 
 def read_records(path: str) -> Iterator[Record]:

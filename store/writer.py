@@ -7,7 +7,7 @@ transaction (its blob chunks written and fsynced before the COMMIT), commits, th
 effects to the in-memory index and answers each caller. A caller's future resolves only after
 the commit, so a returned write is durable.
 
-A group of only fresh small puts, acks and a bump is made durable in the put log instead (an
+A group of only fresh puts (up to 4,096 rows), acks and a bump is made durable in the put log instead (an
 append and an fsync; see store/putlog.py) and applied to DuckDB, in log order, at the start of the
 next DuckDB transaction.
 
@@ -37,7 +37,7 @@ from .errors import ExpstoreError, NotFound, StaleVersion, StorageError, StoreCl
 from .live import LEASED, Lease, LiveTable, Row, RowBlock
 from .naming import quote
 from .prepare import PreparedPut
-from .putlog import LEASE_ARROW_TYPES, PutLog, Record, apply_records, lease_update
+from .putlog import LEASE_ARROW_TYPES, PutLog, Record, apply_records, encode, lease_update
 from .types import one_array
 
 if TYPE_CHECKING:
@@ -517,19 +517,20 @@ class Writer:
         the group must go through DuckDB.
 
         A group qualifies when it is only puts, acks and bumps (a bump is alone in its group),
-        its puts without blob chunks, of at most LOG_PUT_ROWS rows, every row new (a key DuckDB
-        may hold goes through DuckDB, which decides insert or update) and every ready row
-        claimable from the values written (claims must not read DuckDB for it). The group runs
-        as in a transaction, but its statements become records; memory changes only once the
-        log is durable, so a group that turns out not to qualify (or fails, e.g. on a stale
-        version, which the DuckDB path then reports) falls back whole.
+        its puts of at most LOG_PUT_ROWS rows, every row new (a key DuckDB may hold goes through
+        DuckDB, which decides insert or update) and every ready row claimable from the values
+        written (claims must not read DuckDB for it). The group runs as in a transaction, but
+        its statements become records; its blob chunks are written and fsynced before the
+        records that hold their keys (on the blob thread, while the records are encoded, when
+        they are large). Memory changes only once the log is durable, so a group that turns out
+        not to qualify (or fails, e.g. on a stale version, which the DuckDB path then reports)
+        falls back whole; chunks it wrote stay unreferenced, as after a failed COMMIT.
         """
         puts = [op for op in ops if isinstance(op, PutOp)]
         store = self._store
         if self._putlog is None or (not ops and not store._has_pending_row_updates()) or any(
                 not isinstance(op, (PutOp, BumpOp)) and not (isinstance(op, SettleOp) and op.ack)
                 for op in ops) \
-                or any(op.prepared.chunks for op in puts) \
                 or sum(op.prepared.rows for op in puts) > LOG_PUT_ROWS:
             return None
         txn = _Txn()
@@ -540,12 +541,28 @@ class Writer:
                 txn.physical[id(op)] = self._with_blob_keys(op.prepared)
             self._run_ops(txn, ops, results)
         except Exception:  # noqa: BLE001 - _NotLoggable, or an error the DuckDB path reports
+            store.blobs.rollback()
             return None
+        blobs = store.blobs
+        writing = self._blob_io.submit(blobs.sync) \
+            if blobs.pending_bytes >= OVERLAP_BLOB_BYTES else None
         updates = self._log_row_updates(txn)
         store._commit_seq += 1  # odd until applied, as for a COMMIT
         try:
-            self._putlog.append(txn.logged)
+            encoded = encode(txn.logged)
+            if writing is None:
+                blobs.sync()
+            else:
+                done, writing = writing, None
+                done.result()  # the chunks are durable before any key to them is
+            self._putlog.write(encoded)
         except Exception as e:  # noqa: BLE001 - nothing is applied yet: DuckDB takes the group
+            if writing is not None:
+                try:
+                    writing.result()
+                except Exception:  # noqa: BLE001 - the first error is the one logged
+                    pass
+            blobs.rollback()
             store._requeue_row_updates(updates)
             store._commit_seq += 1
             log.warning("put log not written, the group goes to DuckDB: %s", e)

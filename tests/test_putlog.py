@@ -142,8 +142,9 @@ CHILD = textwrap.dedent("""
     store.writer.MATERIALIZE_DELAY = 3600.0  # the rows must still wait in the log when killed
     s = store.connect(sys.argv[1])
     s.create_table("t", {"prompt": "string", "response": "string", "reward": "float64"})
+    pad = "x" * int(sys.argv[3])  # 4,000: the response goes to the blob store
     for i in range(int(sys.argv[2])):
-        s.put("t", [{"sample_id": f"q{i}_0_0", "prompt": f"p{i}", "response": f"r{i}",
+        s.put("t", [{"sample_id": f"q{i}_0_0", "prompt": f"p{i}", "response": f"r{i}" + pad,
                      "reward": float(i)}])
     assert s._writer.logged_rows > 0, "the rows should still wait in the put log"
     print("PUT", flush=True)
@@ -151,20 +152,25 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_kill_9_before_insert_loses_no_acknowledged_put(open_store, db_path):
+@pytest.mark.parametrize("pad", [0, 4000], ids=["by-value", "blob"])
+def test_kill_9_before_insert_loses_no_acknowledged_put(open_store, db_path, pad):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    child = subprocess.run([sys.executable, "-c", CHILD, db_path, "20"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=120)
+    child = subprocess.run([sys.executable, "-c", CHILD, db_path, "20", str(pad)], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert child.stdout.strip() == "PUT"
     assert len(list(read_records(log_path(db_path)))) >= 1
     s = open_store()
-    got = s.query("SELECT sample_id, response FROM t ORDER BY reward")
-    assert got.to_pylist() == [{"sample_id": f"q{i}_0_0", "response": f"r{i}"} for i in range(20)]
+    got = s.query("SELECT sample_id, response, response__ref FROM t ORDER BY reward")
+    assert got.select(["sample_id", "response"]).to_pylist() == [
+        {"sample_id": f"q{i}_0_0", "response": f"r{i}" + "x" * pad} for i in range(20)]
+    by_ref = s.query("SELECT count(*) FILTER (WHERE response__ref IS NOT NULL) AS n FROM t")
+    assert by_ref.column("n").to_pylist() == [0 if pad == 0 else 20]
     assert os.path.getsize(log_path(db_path)) == 0
     assert s.stats("t")["t"]["ready"] == 20
     claim = s.claim("t", 32)
-    assert claim.data.num_rows == 20
+    assert sorted(claim.data.column("response").to_pylist()) == sorted(
+        f"r{i}" + "x" * pad for i in range(20))
     s.put("t", [_row(20)])  # row ids go on after the replayed ones
     assert s.query("SELECT count(DISTINCT row_id) AS n FROM t").column("n").to_pylist() == [21]
 
