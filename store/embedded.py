@@ -1,4 +1,4 @@
-"""The embedded experience store: one DuckDB file plus a blob directory, in-process.
+"""The embedded experience store: one DuckDB file, its put log and a blob directory, in-process.
 
 >>> import store, tempfile, os
 >>> s = store.connect(os.path.join(tempfile.mkdtemp(), "x.duckdb"))

@@ -7,9 +7,9 @@ transaction (its blob chunks written and fsynced before the COMMIT), commits, th
 effects to the in-memory index and answers each caller. A caller's future resolves only after
 the commit, so a returned write is durable.
 
-A group of only fresh puts (up to 4,096 rows), acks and a bump is made durable in the put log instead (an
-append and an fsync; see store/putlog.py) and applied to DuckDB, in log order, at the start of the
-next DuckDB transaction.
+A group of only fresh puts (up to 4,096 rows), acks and a bump is made durable in the put log
+instead (an append and an fsync; see store/putlog.py) and applied to DuckDB, in log order, at the
+start of the next DuckDB transaction.
 
 If a group fails, each operation is retried alone so that one bad operation fails only its caller.
 """
