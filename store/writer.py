@@ -476,15 +476,20 @@ class Writer:
         self._dirty_since_checkpoint = True
         if logged:
             self._logged_committed()
+        self._apply(txn)
+        return results, txn
+
+    def _apply(self, txn: _Txn) -> None:
+        """A durable group's effects on memory (its COMMIT or its log append happened)."""
+        store = self._store
         with store._lock:
             try:
                 for effect in txn.applies:
                     effect()
             finally:
                 store._flushing = {}
-                store._commit_seq += 1
+                store._commit_seq += 1  # even again: see EmbeddedStore.stats
             store._notify()
-        return results, txn
 
     def _run_ops(self, txn: _Txn, ops: list[Op], results: list[Any]) -> None:
         """Run a group's operations in order (consecutive puts together)."""
@@ -572,14 +577,7 @@ class Writer:
         self.logged_rows += sum(rows.num_rows for _, _, rows in txn.logged)
         if self._logged_since is None:
             self._logged_since = time.monotonic()
-        with store._lock:
-            try:
-                for effect in txn.applies:
-                    effect()
-            finally:
-                store._flushing = {}
-                store._commit_seq += 1
-            store._notify()
+        self._apply(txn)
         return results
 
     def _logged_committed(self) -> None:

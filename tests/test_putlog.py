@@ -210,12 +210,18 @@ def test_replay_skips_rows_duckdb_already_has(open_store, db_path, slow_inserts)
     assert os.path.getsize(log_path(db_path)) == 0
 
 
-def test_replay_keeps_whole_records_and_drops_a_torn_tail(open_store, db_path, slow_inserts):
+def _one_row_record(open_store, db_path: str) -> Record:
+    """The record of a put of q1 (which the close then applies): a template for others."""
     s = open_store()
     s.create_table("t", COLUMNS)
     s.put("t", [_row(1)])
-    (kind, header, rows), = _logged_records(db_path)
+    (record,) = _logged_records(db_path)
     s.close()
+    return record
+
+
+def test_replay_keeps_whole_records_and_drops_a_torn_tail(open_store, db_path, slow_inserts):
+    kind, header, rows = _one_row_record(open_store, db_path)
     # One whole record (q5), then half of another (q6): a crash in the middle of its write,
     # so q6 was never acknowledged.
     _append(db_path, [(kind, header, _as_sample(rows, 5, 100))])
@@ -245,11 +251,7 @@ def test_a_log_record_of_a_dropped_table_is_ignored(open_store, db_path, slow_in
 
 
 def test_a_damaged_record_is_not_replayed(db_path, open_store, slow_inserts):
-    s = open_store()
-    s.create_table("t", COLUMNS)
-    s.put("t", [_row(1)])
-    (kind, header, rows), = _logged_records(db_path)
-    s.close()
+    kind, header, rows = _one_row_record(open_store, db_path)
     _append(db_path, [(kind, header, _as_sample(rows, 7, 100))])
     raw = bytearray(open(log_path(db_path), "rb").read())
     raw[-5] ^= 0xFF  # a flipped bit in the body: the digest no longer matches
