@@ -59,7 +59,10 @@ class PutLog:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            raise StorageError(f"the put log {path!r} cannot be opened: {e}") from e
         self.size = os.fstat(self._fd).st_size
         self._cut_unsynced = False
 
