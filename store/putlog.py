@@ -33,6 +33,7 @@ import xxhash
 
 from .errors import StorageError
 from .naming import quote
+from .sources import LIST_TYPES, registered
 
 MAGIC = b"EXPSTPL1"
 _HEADER = struct.Struct("<8sIIQQ")  # magic, header length, 0 (reserved), body length, digest
@@ -41,13 +42,14 @@ log = logging.getLogger("expstore.putlog")
 
 #: (kind, header, body): kind "rows" {"table"} / rows to insert; "ack" {"table"} / row_id,
 #: delivery_count, consumed_version, lease_id, lease_owner, updated_at; "leases" {"table"} /
-#: lease bookkeeping (LEASE_ARROW_TYPES); "bump" {"group", "version", "weights_uri", "at"} /
+#: lease bookkeeping (LEASE_COLUMNS); "bump" {"group", "version", "weights_uri", "at"} /
 #: table, row_id of the rows it makes stale.
 Record = tuple[str, dict[str, Any], pa.Table]
 
-LEASE_ARROW_TYPES = {"row_id": pa.int64(), "is_processing": pa.bool_(), "lease_id": pa.string(),
-                     "lease_owner": pa.string(), "lease_expires_at": pa.timestamp("us", "UTC"),
-                     "delivery_count": pa.int32(), "stale": pa.bool_(), "dead": pa.bool_()}
+# The lease bookkeeping of a row, in the order EmbeddedStore queues it (see Writer._row_updates).
+LEASE_COLUMNS = (("row_id", "BIGINT"), ("is_processing", "BOOLEAN"), ("lease_id", "VARCHAR"),
+                 ("lease_owner", "VARCHAR"), ("lease_expires_at", "TIMESTAMPTZ"),
+                 ("delivery_count", "INTEGER"), ("stale", "BOOLEAN"), ("dead", "BOOLEAN"))
 
 
 def log_path(database: str) -> str:
@@ -200,7 +202,7 @@ def apply_records(con: duckdb.DuckDBPyConnection, records: list[Record],
             ids = rows.column("row_id").to_numpy()[::-1]
             _, first = np.unique(ids, return_index=True)
             rows = rows.take(pa.array(len(ids) - 1 - first))
-        with _registered(con, rows):
+        with registered(con, "_expstore_logged", rows):
             con.execute(lease_update(table, "_expstore_logged"))
     for header, stale in bumps:
         _bump(con, header, stale, tables)
@@ -220,13 +222,19 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table, replayin
     if replaying:
         sql += (f" WHERE NOT EXISTS (SELECT 1 FROM {quote(table)} AS t WHERE "
                 "t.sample_id = b.sample_id AND t.policy_version = b.policy_version)")
-    with _registered(con, rows):
+    with registered(con, "_expstore_logged", rows):
         row = con.execute(sql).fetchone()
     return int(row[0]) if row else 0
 
 
+def lease_table(rows: list[tuple]) -> pa.Table:
+    """Lease bookkeeping entries (tuples in LEASE_COLUMNS order) as an Arrow table."""
+    return pa.table({name: pa.array([r[i] for r in rows], LIST_TYPES[kind])
+                     for i, (name, kind) in enumerate(LEASE_COLUMNS)})
+
+
 def lease_update(table: str, source: str) -> str:
-    """The UPDATE writing lease bookkeeping from ``source`` (columns as LEASE_ARROW_TYPES).
+    """The UPDATE writing lease bookkeeping from ``source`` (columns as LEASE_COLUMNS).
     Rows consumed meanwhile stay consumed: only unconsumed ones are touched."""
     return (f"UPDATE {quote(table)} AS t SET is_processing = b.is_processing, "
             "lease_id = coalesce(b.lease_id, t.lease_id), "
@@ -237,7 +245,7 @@ def lease_update(table: str, source: str) -> str:
 
 
 def _ack(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table) -> None:
-    with _registered(con, rows):
+    with registered(con, "_expstore_logged", rows):
         con.execute(
             f"UPDATE {quote(table)} AS t SET consumed = true, is_processing = false, "
             "consumed_version = b.consumed_version, lease_id = b.lease_id, "
@@ -263,17 +271,6 @@ def _bump(con: duckdb.DuckDBPyConnection, header: dict[str, Any], stale: pa.Tabl
         if table in tables:
             con.execute(f"UPDATE {quote(table)} SET stale = true, updated_at = ?::TIMESTAMPTZ "
                         "WHERE row_id IN (SELECT unnest(?::BIGINT[]))", [at, row_ids])
-
-
-class _registered:
-    def __init__(self, con: duckdb.DuckDBPyConnection, rows: pa.Table) -> None:
-        self._con, self._rows = con, rows
-
-    def __enter__(self) -> None:
-        self._con.register("_expstore_logged", self._rows)
-
-    def __exit__(self, *exc: object) -> None:
-        self._con.unregister("_expstore_logged")
 
 
 def replay(con: duckdb.DuckDBPyConnection, database: str) -> int:

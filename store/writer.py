@@ -19,12 +19,11 @@ import datetime as dt
 import functools
 import logging
 import queue
-from contextlib import contextmanager
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import duckdb
 import numpy as np
@@ -37,7 +36,9 @@ from .errors import ExpstoreError, NotFound, StaleVersion, StorageError, StoreCl
 from .live import LEASED, Lease, LiveTable, Row, RowBlock
 from .naming import quote
 from .prepare import PreparedPut
-from .putlog import LEASE_ARROW_TYPES, PutLog, Record, apply_records, encode, lease_update
+from .putlog import LEASE_COLUMNS, PutLog, Record, apply_records, encode, lease_table, \
+    lease_update
+from .sources import ListColumns, registered, row_source
 from .types import one_array
 
 if TYPE_CHECKING:
@@ -1072,7 +1073,7 @@ class Writer:
             if tname not in self._store._live:
                 continue
             leases: ListColumns = {name: (kind, [r[i] for r in rows])
-                                   for i, (name, kind) in enumerate(_LEASE_COLUMNS)}
+                                   for i, (name, kind) in enumerate(LEASE_COLUMNS)}
             with row_source(con, "_expstore_leases", leases) as (source, params):
                 con.execute(lease_update(tname, source), params)
 
@@ -1082,54 +1083,8 @@ class Writer:
         updates = self._store._take_row_updates()
         for tname, rows in updates.items():
             if tname in self._store._live:
-                txn.logged.append(("leases", {"table": tname}, pa.table({
-                    name: pa.array([r[i] for r in rows], LEASE_ARROW_TYPES[name])
-                    for i, (name, _) in enumerate(_LEASE_COLUMNS)})))
+                txn.logged.append(("leases", {"table": tname}, lease_table(rows)))
         return updates
-
-
-@contextmanager
-def registered(con: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> Iterator[None]:
-    """Expose an Arrow table to SQL for one statement."""
-    con.register(name, table)
-    try:
-        yield
-    finally:
-        try:
-            con.unregister(name)
-        except duckdb.Error:  # an aborted transaction refuses even this; ROLLBACK follows
-            pass
-
-
-# The lease bookkeeping of a row, in the order EmbeddedStore queues it (see _row_updates).
-_LEASE_COLUMNS = (("row_id", "BIGINT"), ("is_processing", "BOOLEAN"), ("lease_id", "VARCHAR"),
-                  ("lease_owner", "VARCHAR"), ("lease_expires_at", "TIMESTAMPTZ"),
-                  ("delivery_count", "INTEGER"), ("stale", "BOOLEAN"), ("dead", "BOOLEAN"))
-
-# Up to this many rows, a statement reads its rows from list parameters (``unnest``) instead of
-# a registered Arrow table: an ack of 16 rows' UPDATE took 1.27 instead of 1.70 ms; from ~2,000
-# rows on the registered table is faster (3.3 against 4.3 ms at 4,096).
-LIST_SOURCE_ROWS = 1024
-ListColumns = dict[str, tuple[str, list[Any]]]  # column name → (DuckDB type, values)
-_LIST_TYPES = {"BIGINT": pa.int64(), "INTEGER": pa.int32(), "BOOLEAN": pa.bool_(),
-               "VARCHAR": pa.string(), "TIMESTAMPTZ": pa.timestamp("us", tz="UTC")}
-
-
-@contextmanager
-def row_source(con: duckdb.DuckDBPyConnection, name: str,
-               columns: ListColumns) -> Iterator[tuple[str, list[Any]]]:
-    """A FROM item reading ``columns``, and its parameters (they follow the statement's own):
-    list parameters for a few rows, the columns registered as an Arrow table ``name`` for many."""
-    rows = len(next(iter(columns.values()))[1])
-    if rows <= LIST_SOURCE_ROWS:
-        select = ", ".join(f"unnest(?::{kind}[]) AS {quote(c)}"
-                           for c, (kind, _) in columns.items())
-        yield f"(SELECT {select})", [values for _, values in columns.values()]
-        return
-    table = pa.table({c: pa.array(values, _LIST_TYPES[kind])
-                      for c, (kind, values) in columns.items()})
-    with registered(con, name, table):
-        yield name, []
 
 
 def _all_fresh(live: LiveTable, txn_rows: dict[tuple[str, int], int],
