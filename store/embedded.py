@@ -121,7 +121,6 @@ class EmbeddedStore:
             "rows_put": 0, "puts": 0, "claims": 0, "rows_claimed": 0, "acks": 0,
             "rows_acked": 0, "nacks": 0, "leases_expired": 0, "redeliveries": 0,
             "dead_letters": 0, "stale_rows": 0, "version_bumps": 0}
-        self._putlog = putlog
         self._writer = Writer(self, self._con, putlog)
 
     # -- tables --------------------------------------------------------------------------------
@@ -835,8 +834,7 @@ class EmbeddedStore:
         self._closed = True
         with self._changed:
             self._changed.notify_all()
-        self._writer.close()  # inserts what waits in the put log first
-        self._putlog.close()
+        self._writer.close()  # applies what waits in the put log first, then closes it
         try:
             self._con.execute("CHECKPOINT")
         except duckdb.Error:

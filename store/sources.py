@@ -29,7 +29,7 @@ def registered(con: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> It
 LIST_SOURCE_ROWS = 1024
 ListColumns = dict[str, tuple[str, list[Any]]]  # column name → (DuckDB type, values)
 LIST_TYPES = {"BIGINT": pa.int64(), "INTEGER": pa.int32(), "BOOLEAN": pa.bool_(),
-               "VARCHAR": pa.string(), "TIMESTAMPTZ": pa.timestamp("us", tz="UTC")}
+              "VARCHAR": pa.string(), "TIMESTAMPTZ": pa.timestamp("us", tz="UTC")}
 
 
 @contextmanager

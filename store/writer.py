@@ -232,6 +232,8 @@ class Writer:
         self._queue.put(None)
         self._thread.join()
         self._blob_io.shutdown()
+        if self._putlog is not None:
+            self._putlog.close()
 
     # -- the loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -970,29 +972,17 @@ class Writer:
             if tname not in store._live:
                 continue
             if op.ack:
-                version = store._versions[store._live[tname].tdef.version_group]
-                if txn.logged is not None:
-                    n = len(rows)
-                    txn.logged.append(("ack", {"table": tname}, pa.table({
-                        "row_id": pa.array([r.row_id for r, _ in rows], pa.int64()),
-                        "delivery_count": pa.array([r.deliveries for r, _ in rows], pa.int32()),
-                        "consumed_version": pa.array([version] * n, pa.int64()),
-                        "lease_id": pa.array([lease.claim_id] * n, pa.string()),
-                        "lease_owner": pa.array([lease.owner] * n, pa.string()),
-                        "updated_at": _now(n)})))
-                    continue
                 # The claim's lease columns may not be flushed yet (and never will be once the
                 # row is consumed), so the ack writes the delivery count and owner itself.
-                acked: ListColumns = {"row_id": ("BIGINT", [r.row_id for r, _ in rows]),
-                                      "delivery_count": ("INTEGER",
-                                                         [r.deliveries for r, _ in rows])}
-                with row_source(self._con, "_expstore_ack", acked) as (source, params):
-                    self._con.execute(
-                        f"UPDATE {quote(tname)} AS t SET consumed = true, is_processing = false, "
-                        "consumed_version = ?, lease_id = ?, lease_owner = ?, "
-                        "delivery_count = b.delivery_count, updated_at = now() "
-                        f"FROM {source} AS b WHERE t.row_id = b.row_id",
-                        [version, lease.claim_id, lease.owner, *params])
+                version = store._versions[store._live[tname].tdef.version_group]
+                n = len(rows)
+                self._record(txn, ("ack", {"table": tname}, pa.table({
+                    "row_id": pa.array([r.row_id for r, _ in rows], pa.int64()),
+                    "delivery_count": pa.array([r.deliveries for r, _ in rows], pa.int32()),
+                    "consumed_version": pa.array([version] * n, pa.int64()),
+                    "lease_id": pa.array([lease.claim_id] * n, pa.string()),
+                    "lease_owner": pa.array([lease.owner] * n, pa.string()),
+                    "updated_at": _now(n)})))
                 continue
             nacked: ListColumns = {"row_id": ("BIGINT", [r.row_id for r, _ in rows]),
                                    "delivery_count": ("INTEGER", [r.deliveries for r, _ in rows]),
@@ -1008,6 +998,14 @@ class Writer:
                                              "ack" if op.ack else "nack"))
         return {"claim_id": lease.claim_id, "acked" if op.ack else "nacked": len(lease.rows)}
 
+    def _record(self, txn: _Txn, record: Record) -> None:
+        """A change as the put log holds it: logged in a logged group, else applied now (one
+        statement text for either way, in store/putlog.py)."""
+        if txn.logged is not None:
+            txn.logged.append(record)
+        else:
+            apply_records(self._con, [record], self._store._live)
+
     # -- versions -------------------------------------------------------------------------------
     def _bump(self, txn: _Txn, op: BumpOp) -> int:
         store = self._store
@@ -1018,12 +1016,6 @@ class Writer:
             raise VersionConflict(f"version of {op.group!r} is {current}, not the expected "
                                   f"{op.expected}; another trainer bumped it first")
         new = current + 1
-        con = self._con
-        if txn.logged is None:
-            con.execute("UPDATE _expstore_groups SET version = ?, updated_at = now() "
-                        "WHERE name = ?", [new, op.group])
-            con.execute("INSERT INTO _expstore_versions (version_group, version, weights_uri) "
-                        "VALUES (?, ?, ?)", [op.group, new, op.weights_uri])
         stale: list[tuple[LiveTable, list[Row]]] = []
         for live in store._live.values():
             if live.tdef.version_group != op.group:
@@ -1033,19 +1025,14 @@ class Writer:
                 live.build_blocks_below(bound)
             rows = live.stale_rows(bound)
             if rows:
-                if txn.logged is None:
-                    con.execute(f"UPDATE {quote(live.tdef.name)} SET stale = true, "
-                                "updated_at = now() WHERE row_id IN (SELECT unnest(?::BIGINT[]))",
-                                [[r.row_id for r in rows]])
                 stale.append((live, rows))
-        if txn.logged is not None:
-            txn.logged.append(("bump", {
-                "group": op.group, "version": new, "weights_uri": op.weights_uri,
-                "at": dt.datetime.now(dt.timezone.utc).isoformat()}, pa.table({
-                    "table": pa.array([live.tdef.name for live, rows in stale for _ in rows],
-                                      pa.string()),
-                    "row_id": pa.array([r.row_id for _, rows in stale for r in rows],
-                                       pa.int64())})))
+        self._record(txn, ("bump", {
+            "group": op.group, "version": new, "weights_uri": op.weights_uri,
+            "at": dt.datetime.now(dt.timezone.utc).isoformat()}, pa.table({
+                "table": pa.array([live.tdef.name for live, rows in stale for _ in rows],
+                                  pa.string()),
+                "row_id": pa.array([r.row_id for _, rows in stale for r in rows],
+                                   pa.int64())})))
 
         def apply() -> None:
             store.counters["version_bumps"] += 1
