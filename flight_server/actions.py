@@ -15,6 +15,7 @@ import pyarrow as pa
 from store.claims import Claim, ClaimRequest
 from store.embedded import EmbeddedStore
 from store.errors import InvalidArgument
+from store.ipc import ipc_stream
 
 Handler = Callable[[EmbeddedStore, dict[str, Any]], Any]
 
@@ -47,21 +48,6 @@ def claim_results(claim: Claim) -> list[bytes]:
     for table in claim.tables.values():
         out.append(ipc_stream(table))
     return out
-
-
-_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
-
-
-def ipc_stream(table: pa.Table) -> bytes:
-    """``table`` as an Arrow IPC stream: its schema message, its batches, the end marker.
-
-    The messages are put together directly (a claim's answer is on the hot path: this is a
-    third of a stream writer's cost); store tables have no dictionary columns, whose
-    dictionaries a stream would also have to carry.
-    """
-    return b"".join([table.schema.serialize().to_pybytes(),
-                     *(batch.serialize().to_pybytes() for batch in table.to_batches()),
-                     _END_OF_STREAM])
 
 
 def _create_table(s: EmbeddedStore, b: dict[str, Any]) -> Any:

@@ -21,7 +21,7 @@ from . import tensors
 from .blobs import Chunk, serialize_chunk_buffer
 from .errors import InvalidArgument, SchemaMismatch
 from .schema import META_NAMES, WRITABLE_META, TableDef
-from .types import is_complex, is_tensor, type_name
+from .types import constant_bools, is_complex, is_tensor, type_name
 
 SAMPLE_ID_PATTERN = r"^(?P<input_id>.+)_(?P<turn>[0-9]{1,9})_(?P<trajectory_id>[0-9]{1,9})$"
 MAX_SAMPLE_ID = 512
@@ -50,7 +50,6 @@ class PreparedPut:
     set_mask: np.ndarray
     clear_mask: np.ndarray
     versions_given: bool
-    nbytes: int = 0
     row_ids: np.ndarray | None = field(default=None)
 
     @property
@@ -193,13 +192,11 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
     chunks: dict[str, Chunk] = {}
     set_mask = np.zeros(n, np.int64)
     clear_mask = np.zeros(n, np.int64)
-    nbytes = 0
     for bit, col in enumerate(tdef.columns):
         written = None
         if col.name in names:
             values = _as_type(table, col.name, col.type)
             written = pc.is_valid(values)
-            nbytes += values.nbytes
             inline, ref_index, chunk = _split(col.name, values, col.storage, ref_threshold)
             columns[col.name] = inline
             if col.ref:
@@ -221,7 +218,7 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
             clear_mask |= np.where(eff == False, 1 << bit, 0)  # noqa: E712
     physical = pa.table(columns)
     return PreparedPut(tdef.name, physical, keys, data_columns, status_columns, chunks,
-                       set_mask, clear_mask, "policy_version" in names, nbytes)
+                       set_mask, clear_mask, "policy_version" in names)
 
 
 def _prepare_small(tdef: TableDef, table: pa.Table, names: list[str], current_version: int,
@@ -270,29 +267,34 @@ def _prepare_small(tdef: TableDef, table: pa.Table, names: list[str], current_ve
     chunks: dict[str, Chunk] = {}
     set_mask = np.zeros(n, np.int64)
     clear_mask = np.zeros(n, np.int64)
-    nbytes = 0
+    trues = constant_bools(True, n)
     for bit, col in enumerate(tdef.columns):
         written: list[bool] | None = None
+        ref = col.ref
         if col.name in names:
             values = _as_type(table, col.name, col.type)
             if values.null_count == 0:
-                written = [True] * n
+                written, written_array = [True] * n, trues
             elif values.null_count == n:
-                written = [False] * n
+                written, written_array = [False] * n, constant_bools(False, n)
             else:
                 written = pc.is_valid(values).to_pylist()
-            nbytes += values.nbytes
-            if col.ref is None or (col.storage == "auto" and _at_most(values, ref_threshold)):
+                written_array = pa.array(written, pa.bool_())
+            if ref is None or (col.storage == "auto" and _at_most(values, ref_threshold)):
                 inline, ref_index, chunk = values, pa.nulls(n, pa.int64()), None
             else:
                 inline, ref_index, chunk = _split(col.name, values, col.storage, ref_threshold)
             columns[col.name] = inline
-            if col.ref:
-                columns[col.ref] = ref_index
+            if ref:
+                columns[ref] = ref_index
                 if chunk is not None:
                     chunks[col.name] = chunk
-            columns[f"{col.name}__w"] = pa.array(written, pa.bool_())
-        if col.status in names or written is not None:
+            columns[f"{col.name}__w"] = written_array
+        if col.status not in names and written is not None and written_array is trues:
+            # every row writes this column: every status true (the usual one-sample put)
+            columns[col.status] = trues
+            set_mask |= 1 << bit
+        elif col.status in names or written is not None:
             explicit = (_as_type(table, col.status, pa.bool_()).to_pylist() if col.status in names
                         else [None] * n)
             implied = [True if w else None for w in written] if written is not None else explicit
@@ -306,7 +308,7 @@ def _prepare_small(tdef: TableDef, table: pa.Table, names: list[str], current_ve
                     clear_mask[i] |= bit_value
     physical = pa.table(columns)
     return PreparedPut(tdef.name, physical, keys, data_columns, status_columns, chunks,
-                       set_mask, clear_mask, "policy_version" in names, nbytes)
+                       set_mask, clear_mask, "policy_version" in names)
 
 
 def _at_most(values: pa.Array, threshold: int) -> bool:

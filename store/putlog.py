@@ -32,6 +32,7 @@ import pyarrow as pa
 import xxhash
 
 from .errors import StorageError
+from .ipc import ipc_stream
 from .naming import quote
 from .sources import LIST_TYPES, registered
 
@@ -124,14 +125,10 @@ def encode(records: list[Record]) -> memoryview:
     parts: list[bytes] = []
     for kind, header, rows in records:
         head = json.dumps({"kind": kind, **header}).encode()
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, rows.schema) as writer:
-            writer.write_table(rows)
-        body = sink.getvalue()
+        body = ipc_stream(rows)
         digest = xxhash.xxh3_64(head)
-        digest.update(memoryview(body))
-        parts += [_HEADER.pack(MAGIC, len(head), 0, body.size, digest.intdigest()), head,
-                  body.to_pybytes()]
+        digest.update(body)
+        parts += [_HEADER.pack(MAGIC, len(head), 0, len(body), digest.intdigest()), head, body]
     return memoryview(b"".join(parts))
 
 

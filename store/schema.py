@@ -11,6 +11,7 @@ the value column is NULL for values that went to the blob store.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -61,11 +62,12 @@ class ColumnDef:
     storage: str = "auto"
     required: bool = True
 
-    @property
+    # Cached: the writer asks for both several times per column of every put (immutable here).
+    @functools.cached_property
     def status(self) -> str:
         return f"{self.name}_status"
 
-    @property
+    @functools.cached_property
     def ref(self) -> str | None:
         """The DuckDB key column, or None for a column stored only by value."""
         if self.storage == "value" or not is_complex(self.type):

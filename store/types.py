@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pyarrow as pa
 
 from .errors import InvalidArgument
@@ -117,6 +118,18 @@ def duckdb_type(t: pa.DataType) -> str:
     if pa.types.is_large_list(t):
         return f"{duckdb_type(t.value_type)}[]"
     return _DUCK_SCALARS[type_name(t)]
+
+
+_BOOLS = {value: pa.array(np.full(1024, value)) for value in (True, False)}
+
+
+def constant_bools(value: bool, n: int) -> pa.BooleanArray:
+    """``n`` times ``value``, as a slice of a shared array where ``n`` is small.
+
+    Why: a one-sample put fills a written flag and a status column per data column; building
+    each from a Python list cost ~6 µs, a slice ~0.5 µs. Arrays are immutable, so sharing is safe.
+    """
+    return _BOOLS[value].slice(0, n) if n <= 1024 else pa.array(np.full(n, value))
 
 
 def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from flight_server.actions import ipc_stream
+from store.ipc import ipc_stream
 from store.embedded import MAX_SLICES, _rows_of
 
 
