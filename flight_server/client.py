@@ -173,9 +173,13 @@ class RemoteStore:
 
     def _on_session(self, arrow: pa.Table) -> bool:
         """Small writes go on the session (a message on an open stream, not a new call)."""
-        # (get_total_buffer_size: nbytes walks every array's offsets, ~30x dearer)
-        return (self._use_sessions and 0 < arrow.num_rows <= SESSION_PUT_ROWS
-                and arrow.get_total_buffer_size() <= SESSION_PUT_BYTES)
+        if not (self._use_sessions and 0 < arrow.num_rows <= SESSION_PUT_ROWS):
+            return False
+        # get_total_buffer_size is cheap but counts whole buffers, also where the rows are a
+        # slice of a larger table (a producer writing one row of a batch it holds): those are
+        # measured again by nbytes, which counts only the rows' bytes (~30x dearer).
+        return (arrow.get_total_buffer_size() <= SESSION_PUT_BYTES
+                or arrow.nbytes <= SESSION_PUT_BYTES)
 
     @staticmethod
     def _put_on_session(channel: SessionChannel, table: str, arrow: pa.Table) -> Answer:

@@ -10,7 +10,7 @@ import pytest
 
 import store
 from flight_fixtures import TOKENS, running_server, write_tokens
-from flight_server.client import SESSION_PUT_ROWS, RemoteStore
+from flight_server.client import SESSION_PUT_BYTES, SESSION_PUT_ROWS, RemoteStore
 from test_flight_session import RawSession
 from thread_helpers import run_threads
 from waiting import wait_until
@@ -160,6 +160,24 @@ def test_remote_put_takes_the_session_when_small_and_do_put_when_large(server):
     off.close()
     s.close()
     assert server.store.stats("solver")["solver"]["rows"] == 2 * SESSION_PUT_ROWS + 2
+
+
+def test_a_small_slice_of_a_large_table_takes_the_session(server):
+    """A row sliced out of a big batch shares the batch's buffers; what it would send is
+    small, so it goes on the session like any small write, and only its own row lands."""
+    big = rows(20_000, first=100_000)
+    assert big.get_total_buffer_size() > SESSION_PUT_BYTES  # the buffers the slices share
+    s = store.connect(server.location)
+    for i in (0, 7, 19_999):
+        assert s.put("solver", big.slice(i, 1)) == {"rows": 1, "version": 0}
+    assert s.put_async("solver", big.slice(100, SESSION_PUT_ROWS)).result(60)["rows"] == \
+        SESSION_PUT_ROWS
+    assert_served(server, 4, 0)
+    got = server.store.query("SELECT sample_id FROM solver ORDER BY sample_id").column(0)
+    assert sorted(got.to_pylist()) == sorted(
+        [f"q{100_000 + i}_0_0" for i in (0, 7, 19_999)]
+        + [f"q{100_100 + i}_0_0" for i in range(SESSION_PUT_ROWS)])
+    s.close()
 
 
 def test_remote_put_async_keeps_many_puts_in_flight(server):
