@@ -10,8 +10,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import pyarrow as pa
-
 from store.claims import Claim, ClaimRequest
 from store.embedded import EmbeddedStore
 from store.errors import InvalidArgument
