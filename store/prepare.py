@@ -270,10 +270,12 @@ def _prepare_small(tdef: TableDef, table: pa.Table, names: list[str], current_ve
     trues = constant_bools(True, n)
     for bit, col in enumerate(tdef.columns):
         written: list[bool] | None = None
+        every_row = False  # every row writes this column
         ref = col.ref
         if col.name in names:
             values = _as_type(table, col.name, col.type)
-            if values.null_count == 0:
+            every_row = values.null_count == 0
+            if every_row:
                 written, written_array = [True] * n, trues
             elif values.null_count == n:
                 written, written_array = [False] * n, constant_bools(False, n)
@@ -290,8 +292,8 @@ def _prepare_small(tdef: TableDef, table: pa.Table, names: list[str], current_ve
                 if chunk is not None:
                     chunks[col.name] = chunk
             columns[f"{col.name}__w"] = written_array
-        if col.status not in names and written is not None and written_array is trues:
-            # every row writes this column: every status true (the usual one-sample put)
+        if every_row and col.status not in names:
+            # every status true (the usual one-sample put)
             columns[col.status] = trues
             set_mask |= 1 << bit
         elif col.status in names or written is not None:
