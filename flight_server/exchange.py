@@ -66,6 +66,10 @@ class ExchangeSession:
         self._reader = reader
         self._writer = writer
         self._inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        # A message _wait_for_message took out of the inbox, handled before the inbox's next:
+        # putting it back would queue it behind any message that arrived meanwhile (an ack
+        # behind the bump sent after it).
+        self._held: list[dict[str, Any] | None] = []
         self._batches: dict[str, MicroBatch] = {}
         self._done = False
 
@@ -143,18 +147,22 @@ class ExchangeSession:
         self._store.wake()
 
     def _wait_for_message(self, timeout: float) -> None:
-        try:
-            msg = self._inbox.get(timeout=timeout)
-        except queue.Empty:
+        if self._held:
             return
-        self._inbox.put(msg)
+        try:
+            self._held.append(self._inbox.get(timeout=timeout))
+        except queue.Empty:
+            pass
 
     def _handle_messages(self) -> None:
         while True:
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+            if self._held:
+                msg = self._held.pop()
+            else:
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
             if msg is None or msg.get("type") == "close":
                 self._done = True
                 return

@@ -248,3 +248,32 @@ def test_subscription_over_raw_do_exchange(client):
     # Closing nacked what was in flight: the rows are ready again.
     stats = act_json(client, "stats", {"table": TABLE})[TABLE]
     assert (stats["consumed"], stats["processing"], stats["ready"]) == (4, 0, 2)
+
+
+def test_subscription_answers_an_ack_before_the_bump_sent_after_it(client):
+    """Messages on a subscription are handled in the order sent, also at a global-batch boundary,
+    where the server waits for a message before it can deliver again (an ack that came in while
+    it waited was once put back behind the bump that followed it)."""
+    rounds = 300
+    act(client, "create_table", {"name": TABLE, "columns": {"reward": "float64"},
+                                 "max_staleness": rounds + 1})
+    put_in_steps(client, [pa.record_batch({"sample_id": [f"q{i}_0_0" for i in range(rounds)],
+                                           "reward": [float(i) for i in range(rounds)]})])
+    command = {"subscribe": {"table": TABLE, "micro_batch_size": 1, "global_batch_size": 1}}
+    writer, reader = client.do_exchange(
+        flight.FlightDescriptor.for_command(json.dumps(command).encode()))
+    with writer:
+        reader.read_chunk()  # subscribed
+        order = []
+        for i in range(rounds):
+            meta = json.loads(reader.read_chunk().app_metadata.to_pybytes())
+            assert meta["type"] == "micro_batch" and meta["is_boundary"]
+            for msg in ({"type": "ack", "claim_id": meta["claim_id"], "request": 2 * i},
+                        {"type": "bump", "request": 2 * i + 1}):
+                writer.write_metadata(pa.py_buffer(json.dumps(msg).encode()))
+            answers = [json.loads(reader.read_chunk().app_metadata.to_pybytes())
+                       for _ in range(2)]
+            order.append([(a["type"], a["request"]) for a in answers])
+        writer.write_metadata(pa.py_buffer(b'{"type": "close"}'))
+        writer.done_writing()
+    assert order == [[("acked", 2 * i), ("bumped", 2 * i + 1)] for i in range(rounds)]
