@@ -2,16 +2,21 @@
 
 The server runs one :class:`store.subscription.Subscription` per stream. A reader thread turns the
 client's messages (metadata-only writes: ack, nack, bump, resume, close) into a queue and wakes
-the loop; the loop answers them, then pushes a micro-batch whenever one can be claimed and fewer
-than ``max_in_flight`` are unacked, and otherwise sleeps until the store commits something. When
-the client goes away, its in-flight micro-batches are nacked so that their rows are ready again.
+the loop; the loop handles them in order, then pushes a micro-batch whenever one can be claimed
+and fewer than ``max_in_flight`` are unacked, and otherwise sleeps until the store commits
+something. Answers go out in the order of the messages. An ack is handed to the store's writer
+without waiting for its commit (its answer is sent once it is durable), so the bump that follows
+the last ack of a global batch is queued right behind it and may share its commit. When the
+client goes away, its in-flight micro-batches are nacked so that their rows are ready again.
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import queue
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 import pyarrow as pa
@@ -22,8 +27,12 @@ from store.errors import ExpstoreError, InvalidArgument
 from store.subscription import MicroBatch, Subscription
 
 from .auth import Principal
+from .errors import as_store_error
 
 log = logging.getLogger("expstore.exchange")
+
+# Queued by an ack's Future once it is done: the loop sends the answers that are ready.
+_SETTLED = {"type": "_settled"}
 
 SUBSCRIBE_FIELDS = {"table", "micro_batch_size", "global_batch_size", "where", "group_by",
                     "group_size", "consumer", "max_in_flight", "lease_seconds"}
@@ -48,6 +57,10 @@ def parse_subscribe(command: bytes) -> dict[str, Any]:
     return sub
 
 
+def _error(request: Any, e: ExpstoreError) -> dict[str, Any]:
+    return {"type": "error", "request": request, "code": e.code, "message": str(e)}
+
+
 def _meta(doc: dict[str, Any]) -> pa.Buffer:
     return pa.py_buffer(json.dumps(doc).encode())
 
@@ -70,6 +83,9 @@ class ExchangeSession:
         # putting it back would queue it behind any message that arrived meanwhile (an ack
         # behind the bump sent after it).
         self._held: list[dict[str, Any] | None] = []
+        # Answers in message order: a reply, or an ack's Future and the reply's header.
+        self._answers: collections.deque[tuple[dict[str, Any], Future | None]] = \
+            collections.deque()
         self._batches: dict[str, MicroBatch] = {}
         self._done = False
 
@@ -164,13 +180,36 @@ class ExchangeSession:
                 except queue.Empty:
                     return
             if msg is None or msg.get("type") == "close":
+                self._send_answers(wait=True)
                 self._done = True
                 return
-            reply = self._answer(msg)
+            if msg is not _SETTLED:
+                self._answers.append(self._answer(msg))
+            self._send_answers()
+
+    def _send_answers(self, wait: bool = False) -> None:
+        """Send the answers that are ready, in message order (``wait``: all of them)."""
+        while self._answers:
+            reply, future = self._answers[0]
+            if future is not None:
+                if not (wait or future.done()):
+                    return
+                try:
+                    reply = {**reply, **future.result()}
+                except Exception as e:  # noqa: BLE001 - a failed commit: the client gets it
+                    reply = _error(reply["request"], as_store_error(e))
+            self._answers.popleft()
             self._writer.write_metadata(_meta(reply))
 
-    def _answer(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _settled(self, _: Future) -> None:
+        self._inbox.put(_SETTLED)
+        self._store.wake()
+
+    def _answer(self, msg: dict[str, Any]) -> tuple[dict[str, Any], Future | None]:
+        """Handle one message: its reply, or for an ack the reply's header and the Future that
+        completes it."""
         kind = msg.get("type")
+        request = msg.get("request")
         try:
             if kind in ("ack", "nack"):
                 self._principal.require("writer", kind)
@@ -179,24 +218,29 @@ class ExchangeSession:
                 if batch is None:
                     raise InvalidArgument(f"claim {claim_id!r} is not in flight on this "
                                           "subscription")
-                result = batch.ack() if kind == "ack" else batch.nack()
-                return {"type": f"{kind}ed", "request": msg.get("request"), **result}
+                if kind == "nack":
+                    return {"type": "nacked", "request": request, **batch.nack()}, None
+                future = self._sub.ack_async(batch)
+                future.add_done_callback(self._settled)
+                return {"type": "acked", "request": request}, future
             if kind == "bump":
                 self._principal.require("admin", "bump_version")
                 version = self._sub.bump_version(msg.get("weights_uri"))
-                return {"type": "bumped", "request": msg.get("request"), "version": version}
+                return {"type": "bumped", "request": request, "version": version}, None
             if kind == "resume":
                 self._sub.resume()
-                return {"type": "resumed", "request": msg.get("request")}
+                return {"type": "resumed", "request": request}, None
             raise InvalidArgument(f"unknown subscription message type {kind!r}; expected ack, "
                                   "nack, bump, resume or close")
         except ExpstoreError as e:
-            return {"type": "error", "request": msg.get("request"), "code": e.code,
-                    "message": str(e)}
+            return _error(request, e), None
 
     # -- micro-batches -------------------------------------------------------------------------
     def _can_deliver(self) -> bool:
-        return not self._sub.at_boundary and len(self._batches) < self._sub.max_in_flight
+        # Not while an ack is unanswered: a client reads its answer before the micro-batch
+        # whose slot the ack freed.
+        return not self._answers and not self._sub.at_boundary and \
+            len(self._batches) < self._sub.max_in_flight
 
     def _send(self, batch: MicroBatch) -> None:
         self._batches[batch.claim_id] = batch

@@ -36,6 +36,7 @@ from .errors import InvalidArgument
 class _Store(Protocol):
     def claim(self, table: str, limit: int, **kw: Any) -> Claim: ...
     def ack(self, claim_id: str) -> dict[str, Any]: ...
+    def ack_async(self, claim_id: str) -> Future: ...
     def nack(self, claim_id: str) -> dict[str, Any]: ...
     def get_version(self, table: str) -> int: ...
     def bump_version(self, table: str, *, expected: int | None = None,
@@ -63,10 +64,9 @@ class MicroBatch:
         return self.data.num_rows
 
     def ack(self, wait: bool = True) -> Any:
-        """Ack (durable on return). ``wait`` exists for parity with remote subscriptions, whose
-        ``ack(wait=False)`` returns a Future; here the ack is always done on return."""
-        result = self._sub._settle(self, ack=True)
-        return result if wait else _done(result)
+        """Ack (durable on return); with ``wait=False`` return at once with a Future of the
+        answer. Changes are made in order, so a later ``bump_version`` still follows this ack."""
+        return self._sub._settle(self, ack=True) if wait else self._sub.ack_async(self)
 
     def nack(self, wait: bool = True) -> Any:
         result = self._sub._settle(self, ack=False)
@@ -183,6 +183,14 @@ class Subscription:
             self._index -= 1
             self._paused = False
         return result
+
+    def ack_async(self, batch: MicroBatch) -> Future:
+        """Ack without waiting: the Future resolves to ack's answer once it is durable. The
+        micro-batch's slot is free at once; a bump sent after this follows it (the store's
+        writer takes changes in order)."""
+        future = self._store.ack_async(batch.claim_id)
+        self._in_flight.pop(batch.claim_id, None)
+        return future
 
     # -- the accumulation boundary -------------------------------------------------------------
     def bump_version(self, weights_uri: str | None = None) -> int:

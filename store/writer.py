@@ -527,7 +527,7 @@ class Writer:
         """Make a group durable in the put log instead of DuckDB; its results, or None when
         the group must go through DuckDB.
 
-        A group qualifies when it is only puts, acks and bumps (a bump is alone in its group),
+        A group qualifies when it is only puts, acks and bumps (see _bumps_apart),
         its puts of at most LOG_PUT_ROWS rows, every row new (a key DuckDB may hold goes through
         DuckDB, which decides insert or update) and every ready row claimable from the values
         written (claims must not read DuckDB for it). The group runs as in a transaction, but
@@ -1134,17 +1134,23 @@ def _now(n: int) -> pa.Array:
 
 
 def _bumps_apart(ops: list[Op]) -> list[list[Op]]:
-    """Split a group so that every version bump commits in a transaction of its own.
+    """Split a group so that every version bump commits with nothing but the acks queued right
+    before it; whatever follows a bump starts a new group.
 
     Why: puts are checked against, and nacks settled by, the in-memory versions and rows, which a
     transaction updates only after its commit. A put sharing a transaction with a bump would be
     checked against the old version, and its rows would miss the bump's stale marking: a
-    strictly on-policy trainer would then be handed samples of the previous policy.
+    strictly on-policy trainer would then be handed samples of the previous policy. Acks before
+    a bump may share its commit (one fsync for a trainer's last ack and its bump): the rows they
+    consume are leased, which the bump's stale marking passes over, and they record the version
+    before the bump, as they would in a commit of their own.
     """
     parts: list[list[Op]] = [[]]
     for op in ops:
         if isinstance(op, BumpOp):
-            parts.append([op])
+            if not all(isinstance(o, SettleOp) and o.ack for o in parts[-1]):
+                parts.append([])
+            parts[-1].append(op)
             parts.append([])
         else:
             parts[-1].append(op)

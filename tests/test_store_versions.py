@@ -221,3 +221,38 @@ def test_puts_racing_a_bump_never_leave_old_rows_ready(any_store):
         for t in threads:
             t.join(10)
     assert not errors, errors
+
+
+def test_acks_queued_before_a_bump_share_its_commit(embedded_store):
+    """A trainer's last ack and its bump, queued together, are made durable in one commit and
+    give what acking first, then bumping, gives: the acked rows consumed at the old version and
+    not stale; the rest of the old version stale."""
+    s = embedded_store
+    s.create_table("t", {"reward": "float64"}, max_staleness=0)
+    _put(s, [f"a_0_{i}" for i in range(4)])
+    first, second = s.claim("t", 2), s.claim("t", 1)
+    # A large put keeps the writer busy (~0.2 s here), so that the ack and the bump wait in its
+    # queue together.
+    commits = s.health()["commits"]
+    busy = s.put_async("t", {"sample_id": [f"b{i}_0_0" for i in range(20000)],
+                             "reward": [1.0] * 20000})
+    time.sleep(0.05)  # the writer has taken the put: the ack will not share its commit
+    acked = s.ack_async(first.claim_id)
+    assert s.bump_version("t") == 1
+    assert busy.result()["rows"] == 20000
+    assert acked.result()["acked"] == 2
+    assert s.health()["commits"] - commits == 2, "the ack and the bump did not share a commit"
+    st = _stats(s)
+    assert (st["consumed"], st["processing"], st["ready"], st["stale"]) == (2, 1, 0, 20001)
+    rows = s.query("SELECT sample_id, consumed, consumed_version, stale FROM t "
+                   "WHERE sample_id LIKE 'a%' ORDER BY 1").to_pylist()
+    claimed = {first.data.column("sample_id")[i].as_py(): True for i in range(2)}
+    for row in rows:
+        if row["sample_id"] in claimed:
+            assert (row["consumed"], row["consumed_version"], row["stale"]) == (True, 0, False)
+        else:
+            assert (row["consumed"], row["stale"]) == (False,
+                                                        row["sample_id"] not in second.data.column(
+                                                            "sample_id").to_pylist())
+    s.nack(second.claim_id)  # back after the bump: stale
+    assert _stats(s)["stale"] == 20002
