@@ -186,6 +186,10 @@ class Writer:
         self._last_commit = time.monotonic()
         self._dirty_since_checkpoint = False
         self._blob_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expstore-blob-io")
+        # The idle CHECKPOINT runs on a thread (and cursor) of its own: see _maybe_checkpoint.
+        self._checkpoint_io = ThreadPoolExecutor(max_workers=1,
+                                                 thread_name_prefix="expstore-checkpoint")
+        self._checkpointing: Future | None = None
         self._thread = threading.Thread(target=self._loop, name="expstore-writer", daemon=True)
         self._thread.start()
 
@@ -231,6 +235,7 @@ class Writer:
         self._closed = True
         self._queue.put(None)
         self._thread.join()
+        self._checkpoint_io.shutdown()
         self._blob_io.shutdown()
         if self._putlog is not None:
             self._putlog.close()
@@ -308,15 +313,29 @@ class Writer:
                 op.future.set_exception(StoreClosed("the store is closed"))
 
     def _maybe_checkpoint(self) -> None:
-        # Checkpoints compress strings and can stall for seconds: run them when idle, not when
-        # DuckDB's WAL threshold happens to trip in the middle of a producer's put.
-        if self._dirty_since_checkpoint and \
-                time.monotonic() - self._last_commit >= CHECKPOINT_IDLE_SECONDS:
-            try:
-                self._con.execute("CHECKPOINT")
-                self._dirty_since_checkpoint = False
-            except duckdb.Error as e:  # a reader holding a snapshot can defer it; retry later
-                log.debug("checkpoint deferred: %s", e)
+        """Start a CHECKPOINT once DuckDB has been idle a while.
+
+        Why idle: checkpoints compress strings and can stall for seconds; run them when idle,
+        not when DuckDB's WAL threshold happens to trip in the middle of a producer's put. Why on
+        a thread of their own: a put, ack or bump that arrives meanwhile (a trainer's bump after
+        seconds of training) goes to the put log at once instead of waiting for the checkpoint
+        (~10-20 ms for a small WAL, seconds for a large one). The writer's own DuckDB
+        transactions wait for it (see _checkpoint_finished).
+        """
+        if self._checkpointing is not None and self._checkpointing.done():
+            self._checkpoint_finished()
+        if self._checkpointing is not None or not self._dirty_since_checkpoint or \
+                time.monotonic() - self._last_commit < CHECKPOINT_IDLE_SECONDS:
+            return
+        self._dirty_since_checkpoint = False
+        self._checkpointing = self._checkpoint_io.submit(_checkpoint, self._con.cursor())
+
+    def _checkpoint_finished(self) -> None:
+        """Wait for a running idle checkpoint (before any DuckDB transaction of the writer)."""
+        if self._checkpointing is not None:
+            running, self._checkpointing = self._checkpointing, None
+            if not running.result():
+                self._dirty_since_checkpoint = True  # deferred: try again when next idle
 
     def _run_group(self, ops: list[Op]) -> None:
         given = len(ops)
@@ -434,6 +453,7 @@ class Writer:
         con = self._con
         txn = _Txn()
         results: list[Any] = [None] * len(ops)
+        self._checkpoint_finished()
         if self._putlog is not None:
             self._putlog.sync_cut()  # see PutLog.clear
         con.execute("BEGIN TRANSACTION")
@@ -1131,6 +1151,18 @@ def _now(n: int) -> pa.Array:
     if n <= 64:  # (a one-sample put: from a list ~3 µs, through numpy ~12 µs)
         return pa.array([now] * n, _TIMESTAMPTZ)
     return pa.array(np.full(n, now, "datetime64[us]"), _TIMESTAMPTZ)
+
+
+def _checkpoint(cursor: duckdb.DuckDBPyConnection) -> bool:
+    """Run a CHECKPOINT on a cursor of its own (then closed); False when DuckDB deferred it."""
+    try:
+        cursor.execute("CHECKPOINT")
+        return True
+    except duckdb.Error as e:  # a reader holding a snapshot can defer it; retried when idle
+        log.debug("checkpoint deferred: %s", e)
+        return False
+    finally:
+        cursor.close()
 
 
 def _bumps_apart(ops: list[Op]) -> list[list[Op]]:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pyarrow as pa
 import pytest
@@ -429,3 +430,42 @@ def test_a_cut_is_durable_before_another_commit(open_store, db_path, slow_insert
     claim = s.claim("t", 1)
     s.nack(claim.claim_id)  # a DuckDB commit: the cut is made durable first
     assert not s._writer._putlog._cut_unsynced
+
+
+def test_puts_acks_and_bumps_do_not_wait_for_an_idle_checkpoint(tmp_path, monkeypatch):
+    """The checkpoint an idle writer starts runs on a thread of its own: a put, an ack and a bump
+    arriving meanwhile are logged and answered while it runs; SQL (a DuckDB transaction of the
+    writer first) waits for it and sees everything."""
+    entered, release = threading.Event(), threading.Event()
+    real = writer._checkpoint
+
+    def held(cursor):
+        entered.set()
+        assert release.wait(30), "the test never let the checkpoint finish"
+        return real(cursor)
+
+    monkeypatch.setattr(writer, "_checkpoint", held)
+    monkeypatch.setattr(writer, "CHECKPOINT_IDLE_SECONDS", 0.05)
+    s = store.connect(str(tmp_path / "x.duckdb"))
+    try:
+        s.create_table("t", COLUMNS, max_staleness=0)
+        s.put("t", [_row(i) for i in range(3)])
+        assert entered.wait(20), "the idle writer did not start a checkpoint"
+        claim = s.claim("t", 2)
+        # Each is answered from the log while the checkpoint is held (a TimeoutError otherwise).
+        assert s.put_async("t", [_row(10)]).result(10)["rows"] == 1
+        assert s.ack_async(claim.claim_id).result(10)["acked"] == 2
+        bumped: list[int] = []
+        bump = threading.Thread(target=lambda: bumped.append(s.bump_version("t")))
+        bump.start()
+        bump.join(10)
+        assert bumped == [1] and not release.is_set()
+        release.set()
+        rows = s.query("SELECT sample_id, consumed, stale FROM t").to_pylist()
+        acked = set(claim.data.column("sample_id").to_pylist())
+        assert {(r["sample_id"], r["consumed"], r["stale"]) for r in rows} == {
+            (sid, sid in acked, sid not in acked) for sid in ("q0_0_0", "q1_0_0", "q2_0_0",
+                                                              "q10_0_0")}
+    finally:
+        release.set()
+        s.close()
