@@ -173,7 +173,9 @@ def apply_records(con: duckdb.DuckDBPyConnection, records: list[Record],
     logged after it wins either way: it writes the lease columns a consumed row keeps), then
     the bumps in order (they mark rows stale with an OR, as lease bookkeeping does).
     """
-    inserts: dict[tuple[str, pa.Schema], list[pa.Table]] = {}
+    # Per table, its rows grouped by schema (compared with equals: hashing a schema of the
+    # store's ~30 columns costs ~25 µs, more than a third of an apply of one-row puts).
+    inserts: dict[str, list[tuple[pa.Schema, list[pa.Table]]]] = {}
     acks: dict[str, list[pa.Table]] = {}
     leases: dict[str, list[pa.Table]] = {}
     bumps: list[tuple[dict[str, Any], pa.Table]] = []
@@ -185,12 +187,20 @@ def apply_records(con: duckdb.DuckDBPyConnection, records: list[Record],
         elif header["table"] not in tables:
             continue
         elif kind == "rows":
-            inserts.setdefault((header["table"], rows.schema), []).append(rows)
+            shapes = inserts.setdefault(header["table"], [])
+            schema = rows.schema
+            for known, parts in shapes:
+                if known.equals(schema):
+                    parts.append(rows)
+                    break
+            else:
+                shapes.append((schema, [rows]))
         else:
             (acks if kind == "ack" else leases).setdefault(header["table"], []).append(rows)
     inserted = 0
-    for (table, _), parts in inserts.items():
-        inserted += _insert(con, table, _one(parts), replaying)
+    for table, shapes in inserts.items():
+        for _, parts in shapes:
+            inserted += _insert(con, table, _one(parts), replaying)
     for table, parts in acks.items():
         _ack(con, table, _one(parts))
     for table, parts in leases.items():
