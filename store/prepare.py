@@ -28,8 +28,13 @@ MAX_SAMPLE_ID = 512
 # The same pattern for Python's re (fullmatch: no "$" before a final newline; ids with a newline
 # are left to the general path anyway).
 _SAMPLE_ID = re.compile(r"(.+)_([0-9]{1,9})_([0-9]{1,9})")
-#: Batches of at most this many rows take the fast path (Python lists, no compute kernels).
+#: Writes of at most this many rows are small: the writer thread prepares them (many at once).
 SMALL_ROWS = 16
+#: Batches of at most this many rows are prepared without compute kernels (Python lists): that
+#: is faster up to a few hundred rows (1 row: 0.12 against 0.34 ms; 32 rows, what the writer
+#: merges from many producers' one-sample puts: 0.14 against 0.35; 256: 0.32 against 0.42; 1,024:
+#: 0.96 against 0.63).
+FAST_PREPARE_ROWS = 256
 
 
 @dataclass
@@ -141,7 +146,7 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
     """Validate and convert one write (see :class:`PreparedPut`)."""
     table = to_arrow_table(tdef, data)
     names = check_columns(tdef, table)
-    if table.num_rows <= SMALL_ROWS:
+    if table.num_rows <= FAST_PREPARE_ROWS:
         try:
             fast = _prepare_small(tdef, table, names, current_version, ref_threshold)
         except Exception:  # noqa: BLE001 - the general path below gives the answer, or the error

@@ -256,11 +256,12 @@ def test_a_bump_marks_rows_of_blocks_stale(open_store):
 
 
 def test_bulk_parse_of_sample_ids_matches_parse_sample_id():
-    """The vectorised path (over SMALL_ROWS rows) cuts ids at their last two underscores."""
+    """The vectorised path (over FAST_PREPARE_ROWS rows) cuts ids at their last two
+    underscores."""
     from store.naming import parse_sample_id
     tricky = ["q1_0_0", "gsm8k_17_2_5", "a_b_c_d_3_4", "__x__12_999999999_0", "ü_1_2",
               "x_007_010", "日本_3_4", "a__1_2"]
-    ids = tricky + [f"pad{i}_0_0" for i in range(prepare.SMALL_ROWS)]
+    ids = tricky + [f"pad{i}_0_0" for i in range(prepare.FAST_PREPARE_ROWS)]
     p = prepare.prepare_put(TDEF, [{"sample_id": t} for t in ids], 0, 64)
     got = list(zip(p.physical.column("input_id").to_pylist(),
                    p.physical.column("turn").to_pylist(),
@@ -328,14 +329,14 @@ TDEF = TableDef.build("t", PREP_COLUMNS, storage={"note": "ref", "prompt": "auto
 
 
 def _run(data, fast, version=3, threshold=64):
-    limit = prepare.SMALL_ROWS if fast else 0
-    old, prepare.SMALL_ROWS = prepare.SMALL_ROWS, limit
+    limit = prepare.FAST_PREPARE_ROWS if fast else 0
+    old, prepare.FAST_PREPARE_ROWS = prepare.FAST_PREPARE_ROWS, limit
     try:
         return prepare.prepare_put(TDEF, data, version, threshold), None
     except Exception as e:  # noqa: BLE001 - compared below
         return None, (type(e), str(e))
     finally:
-        prepare.SMALL_ROWS = old
+        prepare.FAST_PREPARE_ROWS = old
 
 
 def _same(a, b):
@@ -370,6 +371,11 @@ def _shapes():
                           "note_status": None if i % 2 else False}
                          for i in range(16)]
     yield "17 rows", [{"sample_id": f"g{i}_0_0", "reward": float(i)} for i in range(17)]
+    yield "256 rows", [{"sample_id": f"g{i % 40}_{i // 40}_{i % 7}", "prompt": "p" * (i % 90),
+                        "reward": None if i % 5 == 0 else i / 7, "done": bool(i % 2),
+                        "note": None if i % 3 == 0 else f"n{i}", "ids": list(range(i % 4)),
+                        "reward_status": None if i % 4 else False} for i in range(256)]
+    yield "257 rows", [{"sample_id": f"g{i}_0_0", "reward": float(i)} for i in range(257)]
     yield "by reference", [{"sample_id": "a_0_0", "prompt": long_text, "note": "short"},
                            {"sample_id": "b_0_0", "prompt": "short", "note": None}]
     yield "small but many bytes", [{"sample_id": f"a_0_{i}", "prompt": "z" * 40} for i in range(3)]
@@ -416,7 +422,7 @@ def test_prepare_fast_path_matches_the_general_path(label, data):
     if slow is not None:
         _same(fast, slow)
         table = prepare.to_arrow_table(TDEF, data)
-        if table.num_rows <= prepare.SMALL_ROWS:
+        if table.num_rows <= prepare.FAST_PREPARE_ROWS:
             taken = prepare._prepare_small(TDEF, table, table.column_names, 3, 64) is not None
             assert taken == (label not in ("null version", "duplicates"))
 
