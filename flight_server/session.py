@@ -21,7 +21,8 @@ the rows, after a newline::
 
 Claims and version reads are answered in request order. Puts, acks and nacks are answered when
 their commit is durable, from another thread, so a claim sent after an ack does not wait for the
-ack's fsync: answers can overtake each other, and clients match them by ``id``. When the server
+ack's fsync: answers can overtake each other, and clients match them by ``id``. One thread writes
+those answers for every session (:class:`_DurableAnswers`). When the server
 shuts down it sends ``{"id": null, "closing": true}`` and the client ends its side of the stream.
 """
 from __future__ import annotations
@@ -56,7 +57,47 @@ DURABLE_ACTIONS = ("ack", "nack", "put")
 # Writes waiting for their commit on one session; more block the reading side (back-pressure).
 MAX_PENDING_WRITES = 256
 
-_DURABLE_ANSWERS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="expstore-session")
+# Where a durable answer goes when its session's stream is busy (see _DurableAnswers).
+_BUSY_STREAMS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="expstore-session")
+
+
+class _DurableAnswers:
+    """Writes the answers of puts, acks and nacks, for every session, once they are durable.
+
+    Why one thread: a group commit resolves the writes of many sessions at once. With a thread
+    per session waiting on its answers, dozens of them woke together and competed with the
+    writer for the interpreter lock: with 64 one-sample producers, a group of 32 puts took
+    ~15 ms for ~1 ms of the writer's own work. One thread writing them in turn took the rate from
+    1.9-2.0 k to 2.3 k puts/s. A session whose stream is busy (a large claim answer being
+    written to a client that reads slowly) is answered from a pool thread instead, so that it
+    holds up no other session.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[ActionSession, Any, str, float, Future]] = \
+            queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, session: "ActionSession", request_id: Any, name: str, started: float,
+               future: Future) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="expstore-session-answers")
+                self._thread.start()
+        put = self._queue.put
+        future.add_done_callback(lambda done: put((session, request_id, name, started, done)))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            session = item[0]
+            if not session._answer(item[1:], blocking=False):
+                _BUSY_STREAMS.submit(session._answer, item[1:])
+
+
+_DURABLE = _DurableAnswers()
 
 
 def is_session(command: bytes) -> bool:
@@ -112,14 +153,15 @@ class ActionSession:
         self._metrics = metrics
         self._reader = reader
         self._writer = writer
-        self._write_lock = threading.Lock()  # answers come from this thread and the writes'
-        self._durable: queue.Queue[tuple[Any, str, float, Future] | None] = queue.Queue()
+        self._write_lock = threading.Lock()  # answers come from this thread and _DURABLE's
         self._slots = threading.Semaphore(MAX_PENDING_WRITES)
+        # Writes not answered yet: the handler returns only once there are none.
+        self._unanswered = 0
+        self._answered = threading.Condition()
         self._broken = False
 
     def run(self) -> None:
         self._writer.begin(pa.schema([]))
-        durable = _DURABLE_ANSWERS.submit(self._answer_durable)
         try:
             while True:
                 try:
@@ -129,8 +171,8 @@ class ActionSession:
                 if chunk.app_metadata is not None:
                     self._handle(chunk.app_metadata.to_pybytes())
         finally:
-            self._durable.put(None)
-            durable.result()
+            with self._answered:
+                self._answered.wait_for(lambda: self._unanswered == 0)
             self._let_go_of_stream()
 
     def _let_go_of_stream(self) -> None:
@@ -139,7 +181,7 @@ class ActionSession:
         pyarrow's reader and writer own C++ objects that point into the gRPC call, which is
         freed when the handler returns. Whoever drops the last reference destroys them: that
         must be the handler's own frame, inside the call. Otherwise a thread that still holds
-        this session a moment longer (the pool thread that ran ``_answer_durable``, a shutdown
+        this session a moment longer (the thread that wrote its last answer, a shutdown
         closing sessions) destroys them after the call is gone, and the heap is corrupted:
         servers stopped with a session open died now and then with "double free or corruption".
         """
@@ -170,7 +212,9 @@ class ActionSession:
                 started = time.perf_counter()
                 future = self._start_write(name, body, parts)
                 self._slots.acquire()
-                self._durable.put((request_id, name, started, future))
+                with self._answered:
+                    self._unanswered += 1
+                _DURABLE.submit(self, request_id, name, started, future)
                 return
             spec = ACTIONS[name]
             self._principal.require(spec.role, name)
@@ -193,23 +237,40 @@ class ActionSession:
         settle = EmbeddedStore.ack_async if name == "ack" else EmbeddedStore.nack_async
         return settle(self._store, claim_id)
 
-    def _answer_durable(self) -> None:
-        while (item := self._durable.get()) is not None:
-            request_id, name, started, future = item
-            try:
-                self._write(frame({"id": request_id}, action_results(future.result())))
-            except BaseException as e:  # noqa: BLE001 - the client gets the error as the answer
-                self._write(error_frame(request_id, e))
-            finally:
-                self._slots.release()
-                self._metrics.observe(name, time.perf_counter() - started)
+    def _answer(self, item: tuple[Any, str, float, Future], blocking: bool = True) -> bool:
+        """Write a durable write's answer; False (nothing written) when ``blocking`` is False
+        and another thread is writing to the stream."""
+        request_id, name, started, future = item
+        try:
+            message = frame({"id": request_id}, action_results(future.result()))
+        except BaseException as e:  # noqa: BLE001 - the client gets the error as the answer
+            message = error_frame(request_id, e)
+        try:
+            if not self._write(message, blocking):
+                return False
+        except Exception:  # noqa: BLE001 - unwritable: count it answered, or run() never ends
+            log.exception("could not write the answer to request %r", request_id)
+        self._slots.release()
+        self._metrics.observe(name, time.perf_counter() - started)
+        with self._answered:
+            self._unanswered -= 1
+            if not self._unanswered:
+                self._answered.notify_all()
+        return True
 
-    def _write(self, message: pa.Buffer) -> None:
-        with self._write_lock:
+    def _write(self, message: pa.Buffer, blocking: bool = True) -> bool:
+        """Write a message (nothing once the stream broke); False when ``blocking`` is False and
+        another thread holds the stream."""
+        if not self._write_lock.acquire(blocking):
+            return False
+        try:
             if self._broken:
-                return
+                return True
             try:
                 self._writer.write_metadata(message)
             except (pa.ArrowException, OSError) as e:  # the client went away
                 log.debug("session client gone: %s", e)
                 self._broken = True
+            return True
+        finally:
+            self._write_lock.release()
