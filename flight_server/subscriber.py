@@ -2,7 +2,9 @@
 
 A reader thread receives the server's messages: micro-batches go to a queue the iterator reads,
 answers to acks, nacks and bumps resolve the futures their callers wait on. No polling: the
-server pushes a micro-batch as soon as enough rows are ready.
+server pushes a micro-batch as soon as enough rows are ready. A sender thread writes the
+client's messages in the order they were made, so that ``ack(wait=False)`` returns without
+waiting for the stream (a write took ~0.2 ms of the trainer's time between two micro-batches).
 """
 from __future__ import annotations
 
@@ -70,6 +72,11 @@ class RemoteSubscription:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
+        # Messages to write, in order: (bytes, request id), or None to end our side.
+        self._outbox: queue.SimpleQueue[tuple[bytes, int | None] | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_messages,
+                                        name="expstore-subscriber-send", daemon=True)
+        self._sender.start()
         self._at_boundary = False
         self._thread = threading.Thread(target=self._receive, name="expstore-subscriber",
                                         daemon=True)
@@ -143,10 +150,25 @@ class RemoteSubscription:
 
         answer.add_done_callback(unwrap)
         self._pending[request] = answer
-        with self._lock:
-            self._writer.write_metadata(pa.py_buffer(json.dumps({**msg, "request": request})
-                                                     .encode()))
+        self._outbox.put((json.dumps({**msg, "request": request}).encode(), request))
         return result
+
+    def _send_messages(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            payload, request = item
+            try:
+                with self._lock:
+                    self._writer.write_metadata(pa.py_buffer(payload))
+            except (flight.FlightError, pa.ArrowException) as e:
+                future = self._pending.pop(request, None) if request is not None else None
+                if future is not None and not future.done():
+                    future.set_exception(from_flight(e))
+        try:
+            with self._lock:
+                self._writer.write_metadata(pa.py_buffer(b'{"type": "close"}'))
+                self._writer.done_writing()
+        except (flight.FlightError, pa.ArrowException):
+            pass
 
     def _request(self, msg: dict[str, Any], timeout: float | None = 120.0) -> dict[str, Any]:
         return self._send(msg).result(timeout)
@@ -210,13 +232,9 @@ class RemoteSubscription:
     def close(self) -> None:
         if self._closed:
             return
-        try:
-            with self._lock:
-                self._writer.write_metadata(pa.py_buffer(b'{"type": "close"}'))
-                self._writer.done_writing()
-        except (flight.FlightError, pa.ArrowException):
-            pass
         self._closed = True
+        self._outbox.put(None)  # after every message sent before: then close, done_writing
+        self._sender.join(timeout=10)
         self._thread.join(timeout=10)
         try:
             self._writer.close()
