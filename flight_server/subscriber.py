@@ -159,10 +159,11 @@ class RemoteSubscription:
             try:
                 with self._lock:
                     self._writer.write_metadata(pa.py_buffer(payload))
-            except (flight.FlightError, pa.ArrowException) as e:
+            except Exception as e:  # noqa: BLE001 - this thread must go on: its caller hears
                 future = self._pending.pop(request, None) if request is not None else None
                 if future is not None and not future.done():
-                    future.set_exception(from_flight(e))
+                    future.set_exception(from_flight(e) if isinstance(
+                        e, (flight.FlightError, pa.ArrowException)) else e)
         try:
             with self._lock:
                 self._writer.write_metadata(pa.py_buffer(b'{"type": "close"}'))
