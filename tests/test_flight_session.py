@@ -234,38 +234,3 @@ def test_a_restarted_server_gets_a_new_session_and_shutdown_does_not_hang(tmp_pa
     finally:
         reopened.close()
 
-
-def test_a_client_that_stops_reading_holds_up_no_other_sessions_answers(server):
-    """Put answers of every session are written by one thread; a session whose client stops
-    reading (its stream blocked in a large claim answer) must not stall the others'."""
-    server.store.create_table("big", {"text": "string"}, storage={"text": "value"})
-    pad = "x" * 65536
-    for start in range(0, 512, 64):
-        server.store.put("big", {"sample_id": [f"b{i}_0_0" for i in range(start, start + 64)],
-                                 "text": [pad] * 64})
-    stuck = flight.connect(server.location)
-    raw = RawSession(stuck)
-    # A large put keeps the writer busy, so that the puts below are answered only once the
-    # claim's answer fills the stream.
-    busy = server.store.put_async("solver", {"sample_id": [f"w{i}_0_0" for i in range(200000)],
-                                             "reward": [0.0] * 200000})
-    for i in range(20):  # puts answered while the claim's answer (32 MB, never read) blocks
-        sink = pa.BufferOutputStream()
-        row = pa.table({"sample_id": [f"s{i}_0_0"], "reward": [1.0]})
-        with pa.ipc.new_stream(sink, row.schema) as w:
-            w.write_table(row)
-        ipc = sink.getvalue().to_pybytes()
-        head = json.dumps({"id": i, "action": "put", "body": {"table": "solver"},
-                           "sizes": [len(ipc)]}).encode()
-        raw.writer.write_metadata(pa.py_buffer(head + b"\n" + ipc))
-        if i == 10:
-            raw.send(100, "claim", {"table": "big", "limit": 512})
-    other = store.connect(server.location)
-    try:
-        assert busy.result(60)["rows"] == 200000
-        for i in range(30):
-            assert other.put("solver", {"sample_id": [f"o{i}_0_0"], "reward": [0.5]},
-                             timeout=20)["rows"] == 1
-    finally:
-        other.close()
-        stuck.close()

@@ -223,3 +223,32 @@ def test_a_server_without_session_puts_gets_do_put_instead(server, monkeypatch):
     assert s._session.carries_puts is False  # noqa: SLF001
     assert s.claim("solver", 3).data.num_rows == 3
     s.close()
+
+
+def test_a_client_that_stops_reading_holds_up_no_other_sessions_answers(server):
+    """Put answers of every session are written by one thread; a session whose client stops
+    reading (its stream blocked in a large claim answer) must not stall the others'."""
+    server.store.create_table("big", {"text": "string"}, storage={"text": "value"})
+    pad = "x" * 65536
+    for start in range(0, 512, 64):
+        server.store.put("big", {"sample_id": [f"b{i}_0_0" for i in range(start, start + 64)],
+                                 "text": [pad] * 64})
+    stuck = flight.connect(server.location)
+    raw = RawSession(stuck)
+    # A large put keeps the writer busy, so that the puts below are answered only once the
+    # claim's answer fills the stream.
+    busy = server.store.put_async("solver", {"sample_id": [f"w{i}_0_0" for i in range(200000)],
+                                             "reward": [0.0] * 200000})
+    for i in range(20):  # puts answered while the claim's answer (32 MB, never read) blocks
+        send_put(raw, i, {"table": "solver"}, [ipc(rows(1, first=1000 + i, reward=1.0))])
+        if i == 10:
+            raw.send(100, "claim", {"table": "big", "limit": 512})
+    other = store.connect(server.location)
+    try:
+        assert busy.result(60)["rows"] == 200000
+        for i in range(30):
+            assert other.put("solver", {"sample_id": [f"o{i}_0_0"], "reward": [0.5]},
+                             timeout=20)["rows"] == 1
+    finally:
+        other.close()
+        stuck.close()
