@@ -6,7 +6,7 @@ value, and the explicit ``CHECKPOINT`` afterwards (string compression) is timed 
 
 One more figure is not a baseline but what is in the way: the same narrow rows inserted straight
 into a table of the store's own layout (made by ``store.create_table``: meta, lease and status
-columns, the primary key), in 32,768-row transactions, with the store's DuckDB settings: what
+columns), in 32,768-row transactions, with the store's DuckDB settings: what
 DuckDB alone does with that layout, the ceiling of the store's narrow ingest.
 """
 

@@ -186,6 +186,8 @@ def store_checksum(s: Any, extra_meta: tuple[str, ...] = (
         cols += [f"{c['name']}__ref" for c in d["columns"]
                  if c.get("storage", "auto") != "value" and _complex(c["type"])]
         row = s.query(table_checksum_sql(name, cols)).to_pylist()[0]
+        # Tables declare no key: the store alone keeps (sample_id, policy_version) unique.
+        assert row["n"] == row["keys"], f"{name}: {row['n']} rows for {row['keys']} keys"
         out[name] = (row["n"], row["keys"], row["h"], d["version"])
     return out
 

@@ -96,3 +96,41 @@ def test_bad_paths(tmp_path):
         store.connect(str(tmp_path / "missing" / "x.duckdb"))
     with pytest.raises(InvalidArgument, match="ftp://x"):
         store.connect("ftp://x")
+
+
+def test_a_table_made_with_the_old_primary_key_keeps_working(db_path):
+    """Tables were created with PRIMARY KEY (sample_id, policy_version) before the store kept
+    keys unique itself; such a table is used as it is, key and all."""
+    s = store.connect(db_path)
+    s.create_table("t", {"prompt": "string", "reward": "float64"})
+    s.close()
+    con = duckdb.connect(db_path)
+    try:
+        ddl = con.execute("SELECT sql FROM duckdb_tables() WHERE table_name = 't'").fetchone()[0]
+        assert "PRIMARY KEY" not in ddl
+        con.execute("DROP TABLE t")
+        con.execute(ddl.rstrip().rstrip(";").rstrip().removesuffix(")")
+                    + ", PRIMARY KEY (sample_id, policy_version))")
+    finally:
+        con.close()
+    s = store.connect(db_path)
+    try:
+        rows = {"sample_id": [f"q{i}_0_0" for i in range(20)], "prompt": ["p"] * 20,
+                "reward": [1.0] * 20}
+        s.put("t", rows)
+        claim = s.claim("t", 20)
+        s.ack(claim.claim_id)
+        s.put("t", rows | {"reward": [2.0] * 20})      # a re-send of consumed rows: updated
+        s.put("t", {"sample_id": ["n_0_0"], "prompt": ["p"], "reward": [3.0]})
+        got = s.query("SELECT count(*) AS n, sum(reward) AS r, count(*) FILTER (WHERE consumed)"
+                      " AS c FROM t").to_pylist()
+        assert got == [{"n": 21, "r": 43.0, "c": 20}]
+        assert s.claim("t", 5).data.column("sample_id").to_pylist() == ["n_0_0"]
+    finally:
+        s.close()
+    con = duckdb.connect(db_path)
+    try:
+        assert con.execute("SELECT count(*) FROM duckdb_constraints() WHERE table_name = 't' "
+                           "AND constraint_type = 'PRIMARY KEY'").fetchone()[0] == 1
+    finally:
+        con.close()

@@ -247,6 +247,13 @@ class StoreMachine(RuleBasedStateMachine):
                 assert self.rows[key].claim == c.claim_id
 
     @invariant()
+    def one_sql_row_per_written_key(self):
+        # Tables declare no key: the store alone keeps (sample_id, policy_version) unique.
+        got = self.s.query("SELECT count(*) AS n, count(DISTINCT (sample_id, policy_version)) "
+                           "AS keys FROM t").to_pylist()[0]
+        assert got == {"n": len(self.rows), "keys": len(self.rows)}, got
+
+    @invariant()
     def consumed_rows_are_durable_in_sql(self):
         rows = self.s.query("SELECT sample_id, policy_version FROM t WHERE consumed").to_pylist()
         got = {(r["sample_id"], r["policy_version"]) for r in rows}

@@ -28,6 +28,14 @@ def _full(sid, reward=1.0):
     return {"sample_id": sid, "prompt": f"p {sid}", "response": f"r {sid}", "reward": reward}
 
 
+def _assert_one_row_per_key(s, table="t"):
+    """Tables declare no key: the store alone keeps (sample_id, policy_version) unique."""
+    got = s.query(f"SELECT count(*) AS n, count(DISTINCT (sample_id, policy_version)) AS keys "
+                  f"FROM {table}").to_pylist()[0]
+    assert got["n"] == got["keys"], f"duplicate keys in {table}: {got}"
+    return got["n"]
+
+
 def _consume_all(s, table="t"):
     while True:
         claim = s.claim(table, 1000)
@@ -73,6 +81,7 @@ def test_rewrite_of_consumed_rows_updates_them_and_stays_consumed(open_store, te
     assert s.query("SELECT count(*) FILTER (WHERE reward = 4.0) AS n FROM t").to_pylist() == [
         {"n": rows}]
     assert _state(s)["consumed"] == rows
+    assert _assert_one_row_per_key(s) == 2 * rows
 
 
 def test_rewrite_of_dead_rows(open_store, terminal_mode):
@@ -131,11 +140,14 @@ def test_index_given_up_past_its_limit(open_store, monkeypatch):
                                                               for i in range(4)])
     s.put("t", [_full("q0_0_0", 8.0)])
     assert _state(s)["consumed"] == 7 and not s.claim("t", 10)
+    assert _assert_one_row_per_key(s) == 7
     s.close()
     s = open_store()                                           # too many to load: not kept
     assert s._live["t"].terminal is None
     s.put("t", [_full("r3_0_0", 1.5)])
+    s.put("t", [_full(f"q{i}_0_0", 2.5) for i in range(3)])   # a join, not point lookups
     assert _state(s)["consumed"] == 7
+    assert _assert_one_row_per_key(s) == 7
 
 
 def test_an_update_that_misses_its_row_fails_the_write(open_store):
