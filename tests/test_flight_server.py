@@ -97,6 +97,42 @@ def test_do_put_answers_every_batch(client):
     assert query(client, f"SELECT count(*) AS n FROM {TABLE}").to_pylist() == [{"n": 55}]
 
 
+def test_do_put_holds_a_bounded_number_of_bytes_in_flight(tmp_path, monkeypatch):
+    """Batches wait for room before they reach the writer: at most PUT_PIPELINE_BYTES of them
+    (any one batch alone), however fast the client streams; all are answered, in order."""
+    import flight_server.server as server_module
+    from store.writer import CallOp
+
+    size = _rows(["s00_0_0", "s00_0_1"]).nbytes  # every batch below has this size
+    monkeypatch.setattr(server_module, "PUT_PIPELINE_BYTES", int(3.5 * size))
+    with running_server(tmp_path / "x.duckdb") as srv, flight.FlightClient(srv.location) as c:
+        _create(c)
+        queued: list[int] = []
+        put_async = srv.store.put_async
+        monkeypatch.setattr(srv.store, "put_async",
+                            lambda table, data: (queued.append(data.num_rows),
+                                                 put_async(table, data))[1])
+        gate = threading.Event()
+        held = srv.store._writer.submit(CallOp(run=lambda con: gate.wait(30)))  # writer busy
+        writer, reader = c.do_put(flight.FlightDescriptor.for_path(TABLE), _rows(["x"]).schema)
+        try:
+            for i in range(10):
+                writer.write_batch(_rows([f"s{i:02}_0_0", f"s{i:02}_0_1"]))
+            wait_until(lambda: len(queued) == 3)
+            time.sleep(0.3)
+            assert len(queued) == 3  # the fourth batch waits for room
+            gate.set()
+            held.result(30)
+            writer.done_writing()
+            answers = []
+            while (buf := reader.read()) is not None:
+                answers.append(json.loads(buf.to_pybytes()))
+        finally:
+            gate.set()
+            writer.close()
+    assert [a["batch"] for a in answers] == list(range(10)) and len(queued) == 10
+
+
 def test_put_answer_means_durable(tmp_path):
     """What was answered survives the server (its store is reopened from the file)."""
     with running_server(tmp_path / "x.duckdb") as srv:
