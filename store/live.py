@@ -83,14 +83,20 @@ class RowBlock:
     row on the writer thread, under the index lock). A block costs one dict entry per row
     (``LiveTable.rows`` maps each of its keys to the block) and one entry per group; a group's rows
     become objects when the group is first read (:meth:`LiveTable._materialise`).
+
+    The rows of group ``g`` (``group_keys[g]``) are ``order[starts[g]:starts[g + 1]]``: two lists
+    for the block, not a list per group (nor a list and a tuple per group in ``_Group``), because
+    every container that outlives a young collection counts toward Python's next full one, which
+    walks the whole ready-row index. Embedded bulk puts of 2.6 M rows: 13 -> 8 full collections,
+    1.6 -> 0.8 s of 13-15 s.
     """
 
     __slots__ = ("keys", "row_ids", "input_ids", "turns", "trajs", "masks", "payload",
-                 "group_keys", "min_version", "left", "_pos")
+                 "group_keys", "order", "starts", "min_version", "left", "_pos")
 
     def __init__(self, keys: list[Key], row_ids: list[int], input_ids: list[str],
                  turns: list[int], trajs: list[int], masks: list[int], payload: Any,
-                 group_keys: list[GroupKey]) -> None:
+                 group_keys: list[GroupKey], order: list[int], starts: list[int]) -> None:
         self.keys = keys
         self.row_ids = row_ids
         self.input_ids = input_ids
@@ -99,9 +105,15 @@ class RowBlock:
         self.masks = masks
         self.payload = payload
         self.group_keys = group_keys
+        self.order = order
+        self.starts = starts
         self.min_version = min(gk[0] for gk in group_keys)
         self.left = len(keys)          # rows not yet built
         self._pos: dict[Key, int] | None = None
+
+    def group_rows(self, g: int) -> list[int]:
+        """Positions in the block of the rows of group ``group_keys[g]``."""
+        return self.order[self.starts[g]:self.starts[g + 1]]
 
     def position(self, key: Key) -> int:
         pos = self._pos
@@ -114,14 +126,18 @@ class RowBlock:
 
 
 class _Group:
-    __slots__ = ("key", "ready", "in_heap", "lazy")
+    __slots__ = ("key", "ready", "in_heap", "lazy", "lazy_index", "lazy_more")
 
     def __init__(self, key: GroupKey) -> None:
         self.key = key
         self.ready: dict[Key, Row] = {}
         self.in_heap = False
-        # Ready rows of blocks not built yet: (block, positions in it). See RowBlock.
-        self.lazy: list[tuple[RowBlock, list[int]]] | None = None
+        # Ready rows of blocks not built yet (see RowBlock): the group is ``lazy_index`` of
+        # block ``lazy``, and of more blocks in ``lazy_more`` (a group written by several bulk
+        # puts; rare, so the common case allocates nothing more).
+        self.lazy: RowBlock | None = None
+        self.lazy_index = 0
+        self.lazy_more: list[tuple[RowBlock, int]] | None = None
 
 
 class LiveTable:
@@ -192,20 +208,22 @@ class LiveTable:
             heapq.heappush(self._heap, gk)
             group.in_heap = True
 
-    def add_block(self, block: RowBlock, positions: list[list[int]]) -> None:
-        """Index the ready rows of a bulk put (``positions[g]``: the block's rows in group
-        ``block.group_keys[g]``) without building them."""
+    def add_block(self, block: RowBlock) -> None:
+        """Index the ready rows of a bulk put without building them."""
         self.rows.update(dict.fromkeys(block.keys, block))
         groups = self._groups
         heap = self._heap
-        for gk, where in zip(block.group_keys, positions):
+        for g, gk in enumerate(block.group_keys):
             group = groups.get(gk)
             if group is None:
                 group = groups[gk] = _Group(gk)
             if group.lazy is None:
-                group.lazy = [(block, where)]
+                group.lazy = block
+                group.lazy_index = g
+            elif group.lazy_more is None:
+                group.lazy_more = [(block, g)]
             else:
-                group.lazy.append((block, where))
+                group.lazy_more.append((block, g))
             if not group.in_heap:
                 heapq.heappush(heap, gk)
                 group.in_heap = True
@@ -225,14 +243,15 @@ class LiveTable:
 
     def _materialise(self, group: _Group) -> None:
         """Build the group's rows that are still in blocks: ready, with their payload cached."""
-        lazy = group.lazy
-        if not lazy:
+        if group.lazy is None:
             return
-        group.lazy = None
+        lazy = [(group.lazy, group.lazy_index)] + (group.lazy_more or [])
+        group.lazy = group.lazy_more = None
         rows = self.rows
         ready = group.ready
-        for block, where in lazy:
+        for block, g in lazy:
             keys, payload = block.keys, block.payload
+            where = block.group_rows(g)
             for i in where:
                 key = keys[i]
                 row = Row(block.row_ids[i], key[0], key[1], block.input_ids[i], block.turns[i],
@@ -252,7 +271,7 @@ class LiveTable:
         group = self._groups.get((row.version, row.input_id))  # row.group_key (hot path)
         if group is not None:
             group.ready.pop((row.sample_id, row.version), None)
-            if not group.ready and not group.in_heap and not group.lazy:
+            if not group.ready and not group.in_heap and group.lazy is None:
                 del self._groups[group.key]
         self.ready_count -= 1
         row.state = PENDING
@@ -320,7 +339,7 @@ class LiveTable:
             if group is None:
                 continue
             group.in_heap = False
-            if group.lazy:
+            if group.lazy is not None:
                 self._materialise(group)
             if not group.ready:
                 del self._groups[gk]

@@ -832,24 +832,27 @@ class Writer:
             if all(mask & required == required for mask in sets):
                 # Every row new, ready and with its values at hand (the bulk case): indexed as
                 # one block, its rows built when a claim or a write first touches their group.
-                by_group: dict[tuple[int, str], list[int]] = {}
+                # Each row's group number, then the rows ordered by group: no list per group
+                # (see RowBlock on the garbage collector).
+                by_group: dict[tuple[int, str], int] = {}
                 get = by_group.get
-                for i, gk in enumerate(zip([k[1] for k in keys], input_ids)):
-                    where = get(gk)
-                    if where is None:
-                        by_group[gk] = [i]
-                    else:
-                        where.append(i)
+                codes: list[int] = []
+                for gk in zip([k[1] for k in keys], input_ids):
+                    g = get(gk)
+                    if g is None:
+                        g = by_group[gk] = len(by_group)
+                    codes.append(g)
+                order = np.argsort(np.array(codes, np.int64), kind="stable").tolist()
+                starts = np.concatenate(([0], np.cumsum(np.bincount(codes)))).tolist()
                 block = RowBlock(keys, ids_list, input_ids, turns, trajs, sets, payload,
-                                 list(by_group))
-                positions = list(by_group.values())
+                                 list(by_group), order, starts)
 
         def apply_block() -> None:
             if store._live.get(tname) is not live:
                 return  # dropped meanwhile
             live.next_row_id = max(live.next_row_id, next_id)
             assert block is not None
-            live.add_block(block, positions)
+            live.add_block(block)
 
         def apply() -> None:
             if store._live.get(tname) is not live:

@@ -254,6 +254,23 @@ def test_group_claims_take_rows_from_several_blocks(open_store):
         f"q{i}_0_{t}" for i in range(2) for t in range(8)]
 
 
+def test_groups_interleaved_in_blocks_are_claimed_in_write_order(open_store):
+    """A block keeps each group's rows as positions in one flat order; groups written
+    interleaved, over three bulk puts, come back whole and in the order written."""
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    for turns in (range(0, 3), range(3, 6), range(6, 8)):
+        s.put("t", [_full(f"q{i}_0_{t}", float(10 * i + t)) for t in turns for i in range(3)])
+    assert _blocked(s) == 24
+    claim = s.claim("t", 16, group_by="input_id", group_size=8)
+    assert claim.data.column("sample_id").to_pylist() == [
+        f"q{i}_0_{t}" for i in range(2) for t in range(8)]
+    assert claim.data.column("reward").to_pylist() == [
+        float(10 * i + t) for i in range(2) for t in range(8)]
+    assert s.claim("t", 8).data.column("sample_id").to_pylist() == [f"q2_0_{t}" for t in range(8)]
+    assert _blocked(s) == 0
+
+
 def test_a_bump_marks_rows_of_blocks_stale(open_store):
     s = open_store()
     s.create_table("t", COLUMNS, max_staleness=1)
