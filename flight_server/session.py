@@ -68,9 +68,9 @@ class _DurableAnswers:
     per session waiting on its answers, dozens of them woke together and competed with the
     writer for the interpreter lock: with 64 one-sample producers, a group of 32 puts took
     ~15 ms for ~1 ms of the writer's own work. One thread writing them in turn took the rate
-    from 1.6-1.9 k to 1.95-2.2 k puts/s (A/B, BENCHMARKS.md). A session whose stream is busy (a large claim answer being
-    written to a client that reads slowly) is answered from a pool thread instead, so that it
-    holds up no other session.
+    from 1.6-1.9 k to 1.95-2.2 k puts/s (A/B, BENCHMARKS.md). A session whose stream is busy (a
+    large claim answer being written to a client that reads slowly) is answered from a pool
+    thread instead, so that it holds up no other session.
     """
 
     def __init__(self) -> None:

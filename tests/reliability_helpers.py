@@ -172,6 +172,14 @@ def table_checksum_sql(table: str, columns: list[str]) -> str:
             f'coalesce(sum(hash({quoted})), 0)::VARCHAR AS h FROM "{table}"')
 
 
+def rows_and_keys(s: Any, table: str) -> tuple[int, int]:
+    """A table's SQL rows and distinct (sample_id, policy_version) keys. Tables declare no key:
+    the store alone keeps them unique, so the two must be equal."""
+    row = s.query(f'SELECT count(*) AS n, count(DISTINCT (sample_id, policy_version)) AS keys '
+                  f'FROM "{table}"').to_pylist()[0]
+    return row["n"], row["keys"]
+
+
 def store_checksum(s: Any, extra_meta: tuple[str, ...] = (
         "sample_id", "policy_version", "finished_version", "is_processing", "lease_id",
         "delivery_count", "consumed", "stale", "dead")) -> dict[str, tuple]:
@@ -186,7 +194,7 @@ def store_checksum(s: Any, extra_meta: tuple[str, ...] = (
         cols += [f"{c['name']}__ref" for c in d["columns"]
                  if c.get("storage", "auto") != "value" and _complex(c["type"])]
         row = s.query(table_checksum_sql(name, cols)).to_pylist()[0]
-        # Tables declare no key: the store alone keeps (sample_id, policy_version) unique.
+        # Tables declare no key: the store alone keeps them unique (see rows_and_keys).
         assert row["n"] == row["keys"], f"{name}: {row['n']} rows for {row['keys']} keys"
         out[name] = (row["n"], row["keys"], row["h"], d["version"])
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+import reliability_helpers as rh
 import store.live
 import store.writer
 from store.errors import StaleVersion
@@ -29,11 +30,9 @@ def _full(sid, reward=1.0):
 
 
 def _assert_one_row_per_key(s, table="t"):
-    """Tables declare no key: the store alone keeps (sample_id, policy_version) unique."""
-    got = s.query(f"SELECT count(*) AS n, count(DISTINCT (sample_id, policy_version)) AS keys "
-                  f"FROM {table}").to_pylist()[0]
-    assert got["n"] == got["keys"], f"duplicate keys in {table}: {got}"
-    return got["n"]
+    n, keys = rh.rows_and_keys(s, table)
+    assert n == keys, f"duplicate keys in {table}: {n} rows for {keys} keys"
+    return n
 
 
 def _consume_all(s, table="t"):
