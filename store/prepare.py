@@ -200,7 +200,7 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
     for bit, col in enumerate(tdef.columns):
         written = None
         if col.name in names:
-            values = _as_type(table, col.name, col.type)
+            values = _as_type(table, col.name, col.type, copy=col.ref is None)
             written = pc.is_valid(values)
             inline, ref_index, chunk = _split(col.name, values, col.storage, ref_threshold)
             columns[col.name] = inline
@@ -278,7 +278,7 @@ def _prepare_small(tdef: TableDef, table: pa.Table, names: list[str], current_ve
         every_row = False  # every row writes this column
         ref = col.ref
         if col.name in names:
-            values = _as_type(table, col.name, col.type)
+            values = _as_type(table, col.name, col.type, copy=ref is None)
             every_row = values.null_count == 0
             if every_row:
                 written, written_array = [True] * n, trues
@@ -287,8 +287,10 @@ def _prepare_small(tdef: TableDef, table: pa.Table, names: list[str], current_ve
             else:
                 written = pc.is_valid(values).to_pylist()
                 written_array = pa.array(written, pa.bool_())
-            if ref is None or (col.storage == "auto" and _at_most(values, ref_threshold)):
+            if ref is None:
                 inline, ref_index, chunk = values, pa.nulls(n, pa.int64()), None
+            elif col.storage == "auto" and _at_most(values, ref_threshold):
+                inline, ref_index, chunk = _owned(values), pa.nulls(n, pa.int64()), None
             else:
                 inline, ref_index, chunk = _split(col.name, values, col.storage, ref_threshold)
             columns[col.name] = inline
@@ -345,16 +347,22 @@ def _merge_duplicates(table: pa.Table, keys: list[tuple[str, int]]) -> pa.Table:
     return pa.Table.from_pylist(list(merged.values()), schema=schema)
 
 
-def _as_type(table: pa.Table, name: str, target: pa.DataType) -> pa.Array:
-    """A column as one Array of ``target``'s type, in buffers of its own.
+def _as_type(table: pa.Table, name: str, target: pa.DataType, *,
+             copy: bool = True) -> pa.Array:
+    """A column as one Array of ``target``'s type, in buffers of its own (``copy=False``: may
+    point into the table; :func:`_split` takes those and copies whatever it keeps).
 
     Why the copy (``combine_chunks`` copies even one chunk): a batch the server receives is one
     buffer with every column in it, and a column kept without a copy (in the cache of claimable
     values) keeps all of it alive, large values included: without it, ingesting wide rows ran at
-    half the speed while the server's memory grew by each batch.
+    half the speed while the server's memory grew by each batch. Values stored by reference are
+    copied once, into their chunk, not first into buffers of their own as well.
     """
     col = table.column(name)
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if isinstance(col, pa.ChunkedArray):
+        arr = col.chunk(0) if not copy and col.num_chunks == 1 else col.combine_chunks()
+    else:
+        arr = col
     if arr.type == target:
         return arr
     if pa.types.is_null(arr.type):
@@ -368,11 +376,14 @@ def _as_type(table: pa.Table, name: str, target: pa.DataType) -> pa.Array:
 
 def _split(name: str, values: pa.Array, storage: str,
            threshold: int) -> tuple[pa.Array, pa.Array, Chunk | None]:
-    """Split a column into inline values and by-reference rows (index into one chunk)."""
+    """Split a column into inline values and by-reference rows (index into one chunk).
+
+    ``values`` may point into the received batch (``_as_type(copy=False)``): what is kept inline
+    is a copy, and the chunk is serialised into memory of its own."""
     n = len(values)
     null_index = pa.nulls(n, pa.int64())
     if storage == "value" or not is_complex(values.type):
-        return values, null_index, None
+        return _owned(values), null_index, None
     if storage == "ref":
         big = pc.is_valid(values)
     else:
@@ -381,7 +392,7 @@ def _split(name: str, values: pa.Array, storage: str,
     big_np = big.to_numpy(zero_copy_only=False).astype(bool)
     count = int(big_np.sum())
     if count == 0:
-        return values, null_index, None
+        return _owned(values), null_index, None
     if count == n:
         # Every row by reference (wide rows): serialise the values as they are, no copy by
         # ``take`` (~1 ms/MB) and no if_else over them to null them inline.
@@ -395,6 +406,11 @@ def _split(name: str, values: pa.Array, storage: str,
     ref_index = pa.array(index, mask=index < 0)
     inline = pc.if_else(big, pa.nulls(1, values.type)[0], values)
     return inline, ref_index, chunk
+
+
+def _owned(values: pa.Array) -> pa.Array:
+    """``values`` in buffers of their own (a copy)."""
+    return pa.concat_arrays([values])
 
 
 def _value_bytes(values: pa.Array) -> pa.Array:

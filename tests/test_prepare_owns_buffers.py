@@ -14,7 +14,7 @@ from store.prepare import prepare_put
 from store.schema import TableDef
 
 TDEF = TableDef.build("t", {"prompt": "string", "reward": "float64", "tokens": "list<int32>",
-                            "note": "string"}, storage={"note": "value"})
+                            "note": "string", "answer": "string"}, storage={"note": "value"})
 THRESHOLD = 512
 
 
@@ -27,6 +27,7 @@ def _received(rows: int) -> tuple[pa.RecordBatch, pa.Buffer]:
         "reward": [float(i) for i in range(rows)],
         "tokens": [list(range(300)) for _ in range(rows)],          # all by reference
         "note": [f"n{i}" for i in range(rows)],                    # by value
+        "answer": [f"a{i}" for i in range(rows)],                  # auto, all short: inline
         "reward_status": [True] * rows,
     })
     sink = pa.BufferOutputStream()
