@@ -8,10 +8,17 @@ One more figure is not a baseline but what is in the way: the same narrow rows i
 into a table of the store's own layout (made by ``store.create_table``: meta, lease and status
 columns), in 32,768-row transactions, with the store's DuckDB settings: what
 DuckDB alone does with that layout, the ceiling of the store's narrow ingest.
+
+And one figure of the disk itself: sequential ``O_DIRECT`` writes of 48 MB into a new file in
+the same folder, then ``fsync``. Any store that answers a wide put once its bytes are durable
+writes every byte once, so this bounds durable wide ingest on the machine.
 """
 
 from __future__ import annotations
 
+import errno
+import mmap
+import os
 import statistics
 import tempfile
 import time
@@ -98,6 +105,38 @@ def _insert_store_layout(path: Path, table: pa.Table) -> float | None:
         con.close()
 
 
+def _disk_write_rate(path: Path, pieces: int, piece_bytes: int = 48 << 20) -> tuple[float, str]:
+    """(MB/s, how) of writing ``pieces`` pieces of random bytes sequentially into a new file,
+    then fsync: with O_DIRECT (from page-aligned memory) where the filesystem accepts it, else
+    buffered."""
+    buf = mmap.mmap(-1, piece_bytes)              # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(1 << 20) * (piece_bytes >> 20))
+    try:
+        direct = getattr(os, "O_DIRECT", None)
+        if direct is not None:
+            try:
+                return _timed_writes(path, buf, pieces, direct), "O_DIRECT"
+            except OSError as e:                  # tmpfs and others refuse O_DIRECT
+                if e.errno != errno.EINVAL:
+                    raise
+        return _timed_writes(path, buf, pieces, 0), "buffered"
+    finally:
+        buf.close()
+
+
+def _timed_writes(path: Path, buf: mmap.mmap, pieces: int, flags: int) -> float:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for i in range(pieces):
+            os.pwrite(fd, buf, i * len(buf))
+        os.fsync(fd)
+        return pieces * len(buf) / 1e6 / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def run(ctx: Ctx) -> None:
     narrow = rebatch(narrow_table(ctx.pick(250_000, 1_000_000)))
     wide = rebatch(wide_table(ctx.pick(1024, 2048)), 512)
@@ -121,3 +160,6 @@ def run(ctx: Ctx) -> None:
                    "wide by value, 512-row inserts, one commit each")
         ctx.record("wide_checkpoint_mb_per_s", mb(wide) / checkpoint_s, "MB/s",
                    "wide by value, CHECKPOINT afterwards")
+        rate, how = _disk_write_rate(Path(tmp, "disk.bin"), ctx.pick(4, 10))
+        ctx.record("disk_write_mb_per_s", rate, "MB/s",
+                   f"disk: 48 MB {how} writes into a new file, then fsync")

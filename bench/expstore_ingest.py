@@ -23,7 +23,7 @@ from bench import expstore_server
 from bench.context import Ctx
 from bench.load import run_load
 from bench.util import percentiles_ms, run_for
-from bench.workloads import (NARROW_COLUMNS, WIDE_COLUMNS, mb, narrow_table, rebatch,
+from bench.workloads import (BATCH_ROWS, NARROW_COLUMNS, WIDE_COLUMNS, mb, narrow_table, rebatch,
                              sample_ids, wide_table)
 
 NAME = "expstore_ingest"
@@ -34,13 +34,15 @@ _ids_lock = threading.Lock()
 
 
 def bulk_rate(s: Any, table: str, base: pa.Table, budget_s: float, max_puts: int,
-              unit_of: Callable[[pa.Table], float], first_id: int = 0) -> float:
+              unit_of: Callable[[pa.Table], float], first_id: int = 0,
+              batch_rows: int = BATCH_ROWS) -> float:
     """Units per second over bulk puts of ``base`` (fresh sample IDs each time), after one
     uncounted warm-up put, until ``budget_s`` passed or ``max_puts`` were made."""
     n = base.num_rows
     units = secs = 0.0
     for i in range(max_puts + 1):
-        data = rebatch(base.set_column(0, "sample_id", sample_ids(n, first_id + i * n)))
+        data = rebatch(base.set_column(0, "sample_id", sample_ids(n, first_id + i * n)),
+                       batch_rows)
         t0 = time.perf_counter()
         s.put(table, data)
         dt = time.perf_counter() - t0
@@ -108,6 +110,9 @@ def run(ctx: Ctx) -> None:
     ctx.record("narrow_rows_per_s", rate, "rows/s", "put narrow, 4,096-row batches")
     rate = bulk_rate(s, wide_t, wide, budget, ctx.pick(2, 4), mb)
     ctx.record("wide_mb_per_s", rate, "MB/s", "put wide, 4,096-row batches")
+    rate = bulk_rate(s, wide_t, wide, budget, ctx.pick(2, 4), mb, first_id=10**8,
+                     batch_rows=512)
+    ctx.record("wide512_mb_per_s", rate, "MB/s", "put wide, 512-row batches")
 
     lat = run_for(put_one_op(uri, narrow_t)[0], budget, ctx.pick(300, 1000))
     ctx.record("put1_per_s", len(lat) / sum(lat), "puts/s", "one-sample puts, 1 producer")

@@ -24,6 +24,9 @@ COMPARISON: list[tuple[str, str, dict[str, str]]] = [
         "raw Flight": "flight_raw.wide_mb_per_s", "DuckDB": "duckdb_bulk.wide_mb_per_s",
         "Redis": "redis_streams.wide_mb_per_s", "Ray": "ray_queue.wide_mb_per_s",
         "expstore": "expstore_ingest.wide_mb_per_s"}),
+    ("wide ingest, 512-row batches", "MB/s", {
+        "raw Flight": "flight_raw.wide512_mb_per_s",
+        "expstore": "expstore_ingest.wide512_mb_per_s"}),
     ("one-sample put p50", "ms", {
         "raw Flight": "flight_raw.put1_p50_ms", "Ray": "ray_queue.put1_p50_ms",
         "expstore": "expstore_ingest.put1_p50_ms"}),
