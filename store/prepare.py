@@ -378,12 +378,13 @@ def _split(name: str, values: pa.Array, storage: str,
            threshold: int) -> tuple[pa.Array, pa.Array, Chunk | None]:
     """Split a column into inline values and by-reference rows (index into one chunk).
 
-    ``values`` may point into the received batch (``_as_type(copy=False)``): what is kept inline
-    is a copy, and the chunk is serialised into memory of its own."""
+    The values of a column that can be stored by reference may point into the received batch
+    (``_as_type(copy=False)``): what is kept inline is a copy, and the chunk is serialised into
+    memory of its own. Those of a column stored only by value are already a copy."""
     n = len(values)
     null_index = pa.nulls(n, pa.int64())
     if storage == "value" or not is_complex(values.type):
-        return _owned(values), null_index, None
+        return values, null_index, None
     if storage == "ref":
         big = pc.is_valid(values)
     else:
