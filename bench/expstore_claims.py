@@ -98,9 +98,10 @@ def claim_op(uri: str, table: str, size: int, group: bool) -> tuple[Any, Any]:
     return op, s.close
 
 
-def put_to_delivery(s_put: Any, s_sub: Any, table: str, n: int,
-                    budget_s: float) -> list[float]:
-    """Durations (s) from the start of a one-sample ``put()`` to its micro-batch arriving."""
+def put_to_delivery(s_put: Any, s_sub: Any, table: str, n: int, budget_s: float,
+                    start: int = 5 * 10**8) -> list[float]:
+    """Durations (s) from the start of a one-sample ``put()`` to its micro-batch arriving
+    (samples numbered from ``start``: each call on a table needs fresh ones)."""
     delivered = threading.Semaphore(0)
     stop = threading.Event()
     stamps: list[float] = []
@@ -122,7 +123,7 @@ def put_to_delivery(s_put: Any, s_sub: Any, table: str, n: int,
 
     t = threading.Thread(target=consume, daemon=True)
     t.start()
-    rows = narrow_table(n, start=5 * 10**8)
+    rows = narrow_table(n, start=start)
     out: list[float] = []
     end = time.perf_counter() + budget_s
     for i in range(n):

@@ -1,6 +1,18 @@
-"""expstore claim latency as the table grows (1e5 → 1e6 rows; 1e7 with ``--full``), with the
-server's resident memory at each size. A size whose fill would take longer than the budget at
-the ingest rate seen so far is left out, with a note."""
+"""expstore as its table grows from 1e5 to 1e7 narrow rows: at each size, claim latency, ingest
+(a bulk put and one-sample puts into the table), put → delivered latency and the server's
+resident memory.
+
+The table's rows stay ready (nothing claims them while it grows), so a claim is served from a
+backlog of that many rows: the in-memory index at its largest. What a put → delivered latency
+means with such a backlog is queueing (a new row waits behind the backlog), so it is measured
+on a second, empty table of the same server while the big one is live: what the big table costs
+a delivery elsewhere (memory, the garbage collector walking its index). Puts into the big table
+are measured as puts (one sample; a bulk put of ``PROBE_ROWS``), which is where its size could
+cost a writer (key checks against its index).
+
+A size whose fill would take longer than the budget at the rate seen so far, or whose rows would
+not fit in the machine's free memory, is left out with a note.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +21,34 @@ from typing import Any
 
 from bench import expstore_server
 from bench.context import Ctx
-from bench.expstore_claims import claim_latencies, fill
-from bench.util import percentiles_ms
-from bench.workloads import NARROW_COLUMNS
+from bench.expstore_claims import claim_latencies, fill, put_to_delivery
+from bench.expstore_ingest import put_one_op
+from bench.util import percentiles_ms, run_for
+from bench.workloads import NARROW_COLUMNS, narrow_table, rebatch
 
 NAME = "expstore_scaling"
-TITLE = "expstore claim latency vs table size"
+TITLE = "expstore as the table grows (1e5 → 1e7 rows)"
+
+#: Rows of the bulk put timed at each size (the last rows of its fill).
+PROBE_ROWS = 65_536
+#: Server memory per ready narrow row, measured (~0.6 KB at 1e7): a size is left out when the
+#: machine's available memory would not hold it with room to spare.
+BYTES_PER_ROW = 1_000
+
+
+def available_mb() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def label_of(size: int) -> str:
+    return f"{size:.0e}".replace("+0", "")
 
 
 def run(ctx: Ctx) -> None:
@@ -23,29 +57,68 @@ def run(ctx: Ctx) -> None:
     uri = expstore_server.uri(ctx)
     s = store.connect(uri)
     table = expstore_server.table_name("scaling")
+    probe_t = expstore_server.table_name("scaling_deliver")
     s.create_table(table, dict(NARROW_COLUMNS), if_not_exists=True)
-    sizes = ctx.pick([100_000], [100_000, 1_000_000], [100_000, 1_000_000, 10_000_000])
-    fill_budget = ctx.pick(30.0, 60.0, 900.0)
+    s.create_table(probe_t, dict(NARROW_COLUMNS), if_not_exists=True)
+    sub_store = store.connect(uri)
+    sizes = ctx.pick([100_000], [100_000, 1_000_000, 10_000_000])
+    fill_budget = ctx.pick(30.0, 150.0, 900.0)
+    budget = ctx.pick(1.0, 2.0)
     points: list[dict[str, Any]] = []
     have, rate = 0, None
-    for size in sizes:
-        if rate is not None and (size - have) / rate > fill_budget:
-            print(f"  left out {size:,} rows: filling at {rate:,.0f} rows/s would take "
-                  f"{(size - have) / rate:.0f} s (budget {fill_budget:.0f} s; --full raises it)")
-            continue
-        t0 = time.perf_counter()
-        fill(s, table, size - have, start=have)
-        rate = (size - have) / (time.perf_counter() - t0)
-        have = size
-        claims, _, _ = claim_latencies(s, table, ctx.pick(200, 500), 16, group=False,
-                                    budget_s=ctx.pick(1.5, 3.0))
-        p50, p99 = percentiles_ms(claims)
-        label = f"{size:.0e}".replace("+0", "")
-        ctx.record(f"claim16_p50_ms_{label}", p50, "ms", f"claim 16 p50 at {size:,} rows")
-        ctx.record(f"claim16_p99_ms_{label}", p99, "ms", f"claim 16 p99 at {size:,} rows")
-        rss = expstore_server.rss_mb()
-        if rss is not None:
-            ctx.record(f"server_rss_mb_{label}", rss, "MB", f"server RSS at {size:,} rows")
-        points.append({"rows": size, "p50_ms": p50, "p99_ms": p99, "rss_mb": rss})
+    put_op = put_one_op(uri, table)
+    try:
+        for size in sizes:
+            if rate is not None and (size - have) / rate > fill_budget:
+                print(f"  left out {size:,} rows: filling at {rate:,.0f} rows/s would take "
+                      f"{(size - have) / rate:.0f} s (budget {fill_budget:.0f} s; --full "
+                      "raises it)")
+                continue
+            free = available_mb()
+            need = (size - have) * BYTES_PER_ROW / 1e6
+            if free is not None and need > 0.75 * free:
+                print(f"  left out {size:,} rows: they would take ~{need:,.0f} MB of the "
+                      f"{free:,.0f} MB available")
+                continue
+            label = label_of(size)
+            t0 = time.perf_counter()
+            fill(s, table, size - have - PROBE_ROWS, start=have)
+            probe = rebatch(narrow_table(PROBE_ROWS, start=size - PROBE_ROWS))
+            t1 = time.perf_counter()
+            s.put(table, probe)
+            ingest = PROBE_ROWS / (time.perf_counter() - t1)
+            rate = (size - have) / (time.perf_counter() - t0)
+            have = size
+            ctx.record(f"ingest_rows_per_s_{label}", ingest, "rows/s",
+                       f"put of {PROBE_ROWS:,} narrow rows at {size:,} rows")
+
+            claims, _, _ = claim_latencies(s, table, ctx.pick(200, 500), 16, group=False,
+                                           budget_s=budget)
+            c50, c99 = percentiles_ms(claims)
+            ctx.record(f"claim16_p50_ms_{label}", c50, "ms", f"claim 16 p50 at {size:,} rows")
+            ctx.record(f"claim16_p99_ms_{label}", c99, "ms", f"claim 16 p99 at {size:,} rows")
+
+            puts = run_for(put_op[0], budget, ctx.pick(200, 500))
+            p50, p99 = percentiles_ms(puts)
+            ctx.record(f"put1_p50_ms_{label}", p50, "ms", f"one-sample put p50 at {size:,} rows")
+            ctx.record(f"put1_p99_ms_{label}", p99, "ms", f"one-sample put p99 at {size:,} rows")
+
+            delivered = put_to_delivery(s, sub_store, probe_t, ctx.pick(200, 500), budget,
+                                        start=len(points) * 10**6)
+            d50, d99 = percentiles_ms(delivered)
+            ctx.record(f"deliver_p50_ms_{label}", d50, "ms",
+                       f"put → delivered p50 (second table) at {size:,} rows")
+            ctx.record(f"deliver_p99_ms_{label}", d99, "ms",
+                       f"put → delivered p99 (second table) at {size:,} rows")
+
+            rss = expstore_server.rss_mb()
+            if rss is not None:
+                ctx.record(f"server_rss_mb_{label}", rss, "MB", f"server RSS at {size:,} rows")
+            points.append({"rows": size, "p50_ms": c50, "p99_ms": c99, "put_p50_ms": p50,
+                           "put_p99_ms": p99, "deliver_p50_ms": d50, "deliver_p99_ms": d99,
+                           "ingest_rows_per_s": ingest, "rss_mb": rss})
+    finally:
+        put_op[1]()
+        sub_store.close()
+        s.close()
     ctx.series("points", points)
-    s.close()

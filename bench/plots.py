@@ -96,19 +96,37 @@ def scaling(results: Results, path: Path) -> bool:
     if not points:
         return False
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, ax_rate) = plt.subplots(1, 2, figsize=(11, 4))
     rows = [p["rows"] for p in points]
-    ax.plot(rows, [p["p50_ms"] for p in points], "o-", label="claim 16 p50")
-    ax.plot(rows, [p["p99_ms"] for p in points], "s--", label="claim 16 p99")
+    for key, style, label in (("p50_ms", "o-", "claim 16 p50"), ("p99_ms", "o--", "claim 16 p99"),
+                              ("put_p50_ms", "s-", "one-sample put p50"),
+                              ("put_p99_ms", "s--", "one-sample put p99"),
+                              ("deliver_p50_ms", "^-", "put → delivered p50"),
+                              ("deliver_p99_ms", "^--", "put → delivered p99")):
+        if all(key in p for p in points):
+            ax.plot(rows, [p[key] for p in points], style, label=label)
     ax.set_xscale("log")
     ax.set_xlabel("rows in table")
     ax.set_ylabel("ms")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize=7)
+    ax.set_title("latency vs table size")
+    if all("ingest_rows_per_s" in p for p in points):
+        ax_rate.plot(rows, [p["ingest_rows_per_s"] / 1e3 for p in points], "o-",
+                     label="bulk put, narrow (k rows/s)")
+    ax_rate.set_xscale("log")
+    ax_rate.set_xlabel("rows in table")
+    ax_rate.set_ylabel("k rows/s")
+    ax_rate.set_ylim(bottom=0)
     if any(p["rss_mb"] for p in points):
-        ax2 = ax.twinx()
-        ax2.plot(rows, [p["rss_mb"] or 0 for p in points], "^:", color="gray", label="RSS")
-        ax2.set_ylabel("server RSS (MB)")
-    ax.legend(loc="upper left", fontsize=8)
-    ax.set_title("claim latency vs table size")
+        ax2 = ax_rate.twinx()
+        ax2.plot(rows, [(p["rss_mb"] or 0) / 1e3 for p in points], "^:", color="gray",
+                 label="server RSS (GB)")
+        ax2.set_ylabel("server RSS (GB)")
+        ax2.set_ylim(bottom=0)
+        ax2.legend(loc="upper right", fontsize=7)
+    ax_rate.legend(loc="upper left", fontsize=7)
+    ax_rate.set_title("ingest and memory vs table size")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

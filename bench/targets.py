@@ -51,6 +51,10 @@ TARGETS = [
     T("claim-16 p50 vs raw Flight one-row call p50", "expstore_claims.claim16_p50_ms",
       "flight_raw.call_p50_ms", 2.0, False),
     T("claim-16 p99", "expstore_claims.claim16_p99_ms", None, 5.0, False),
+    # "flat from 10^5 to 10^7 rows": the same bounds, with 10^7 ready rows in the table
+    T("claim-16 p50 at 1e7 rows vs raw Flight one-row call p50",
+      "expstore_scaling.claim16_p50_ms_1e7", "flight_raw.call_p50_ms", 2.0, False),
+    T("claim-16 p99 at 1e7 rows", "expstore_scaling.claim16_p99_ms_1e7", None, 5.0, False),
     T("put → delivered p50", "expstore_claims.deliver_p50_ms", None, 5.0, False),
     T("narrow ingest vs Redis XADD rows/s", "expstore_ingest.narrow_rows_per_s",
       "redis_streams.narrow_rows_per_s", 10.0, True),
