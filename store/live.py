@@ -16,6 +16,8 @@ from __future__ import annotations
 import heapq
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from .schema import TableDef
 
 PENDING, READY, LEASED = "pending", "ready", "processing"
@@ -84,36 +86,39 @@ class RowBlock:
     (``LiveTable.rows`` maps each of its keys to the block) and one entry per group; a group's rows
     become objects when the group is first read (:meth:`LiveTable._materialise`).
 
-    The rows of group ``g`` (``group_keys[g]``) are ``order[starts[g]:starts[g + 1]]``: two lists
+    The rows of group ``g`` (``group_keys[g]``) are ``order[starts[g]:starts[g + 1]]``: arrays
     for the block, not a list per group (nor a list and a tuple per group in ``_Group``), because
     every container that outlives a young collection counts toward Python's next full one, which
     walks the whole ready-row index. Embedded bulk puts of 2.6 M rows: 13 -> 8 full collections,
-    1.6 -> 0.8 s of 13-15 s.
+    1.6 -> 0.8 s of 13-15 s. The per-row columns (row ids, turns, trajectory ids, status masks,
+    group numbers, the order) are numpy arrays, not lists of ints: a full collection visits every
+    item of a list and none of an array, and an array costs 4-8 bytes a row against ~40 for a
+    list item and its int. A row's input id is its group's (``group_keys[codes[i]]``).
     """
 
-    __slots__ = ("keys", "row_ids", "input_ids", "turns", "trajs", "masks", "payload",
+    __slots__ = ("keys", "row_ids", "turns", "trajs", "masks", "codes", "payload",
                  "group_keys", "order", "starts", "min_version", "left", "_pos")
 
-    def __init__(self, keys: list[Key], row_ids: list[int], input_ids: list[str],
-                 turns: list[int], trajs: list[int], masks: list[int], payload: Any,
-                 group_keys: list[GroupKey], order: list[int], starts: list[int]) -> None:
+    def __init__(self, keys: list[Key], row_ids: np.ndarray, turns: np.ndarray,
+                 trajs: np.ndarray, masks: np.ndarray, codes: np.ndarray, payload: Any,
+                 group_keys: list[GroupKey]) -> None:
         self.keys = keys
         self.row_ids = row_ids
-        self.input_ids = input_ids
         self.turns = turns
         self.trajs = trajs
         self.masks = masks
+        self.codes = codes
         self.payload = payload
         self.group_keys = group_keys
-        self.order = order
-        self.starts = starts
+        self.order = np.argsort(codes, kind="stable")
+        self.starts = np.concatenate(([0], np.cumsum(np.bincount(codes)))).tolist()
         self.min_version = min(gk[0] for gk in group_keys)
         self.left = len(keys)          # rows not yet built
         self._pos: dict[Key, int] | None = None
 
     def group_rows(self, g: int) -> list[int]:
         """Positions in the block of the rows of group ``group_keys[g]``."""
-        return self.order[self.starts[g]:self.starts[g + 1]]
+        return self.order[self.starts[g]:self.starts[g + 1]].tolist()
 
     def position(self, key: Key) -> int:
         pos = self._pos
@@ -122,7 +127,10 @@ class RowBlock:
         return pos[key]
 
     def row_id_of(self, key: Key) -> int:
-        return self.row_ids[self.position(key)]
+        return int(self.row_ids[self.position(key)])
+
+    def group_of(self, key: Key) -> GroupKey:
+        return self.group_keys[int(self.codes[self.position(key)])]
 
 
 class _Group:
@@ -130,7 +138,9 @@ class _Group:
 
     def __init__(self, key: GroupKey) -> None:
         self.key = key
-        self.ready: dict[Key, Row] = {}
+        # Made on first use: most groups of a bulk put are built only when claimed, and a dict
+        # per group of 8 rows cost as much as the group (allocation and collections).
+        self.ready: dict[Key, Row] | None = None
         self.in_heap = False
         # Ready rows of blocks not built yet (see RowBlock): the group is ``lazy_index`` of
         # block ``lazy``, and of more blocks in ``lazy_more`` (a group written by several bulk
@@ -188,7 +198,10 @@ class LiveTable:
         group = self._groups.get(gk)
         if group is None:
             group = self._groups[gk] = _Group(gk)
-        group.ready[(row.sample_id, row.version)] = row
+        ready = group.ready
+        if ready is None:
+            ready = group.ready = {}
+        ready[(row.sample_id, row.version)] = row
         self.ready_count += 1
         if not group.in_heap:
             heapq.heappush(self._heap, gk)
@@ -202,7 +215,10 @@ class LiveTable:
         if group is None:
             group = self._groups[gk] = _Group(gk)
         row.state = READY
-        group.ready[key] = row
+        ready = group.ready
+        if ready is None:
+            ready = group.ready = {}
+        ready[key] = row
         self.ready_count += 1
         if not group.in_heap:
             heapq.heappush(self._heap, gk)
@@ -235,7 +251,7 @@ class LiveTable:
         row = self.rows.get(key)
         if not isinstance(row, RowBlock):
             return row
-        group = self._groups[(key[1], row.input_ids[row.position(key)])]
+        group = self._groups[row.group_of(key)]
         self._materialise(group)
         built = self.rows.get(key)
         assert not isinstance(built, RowBlock)
@@ -249,18 +265,22 @@ class LiveTable:
         group.lazy = group.lazy_more = None
         rows = self.rows
         ready = group.ready
+        if ready is None:
+            ready = group.ready = {}
         for block, g in lazy:
             keys, payload = block.keys, block.payload
-            where = block.group_rows(g)
-            for i in where:
+            at = block.order[block.starts[g]:block.starts[g + 1]]
+            input_id = block.group_keys[g][1]
+            for i, rid, turn, traj, mask in zip(
+                    at.tolist(), block.row_ids[at].tolist(), block.turns[at].tolist(),
+                    block.trajs[at].tolist(), block.masks[at].tolist()):
                 key = keys[i]
-                row = Row(block.row_ids[i], key[0], key[1], block.input_ids[i], block.turns[i],
-                          block.trajs[i], block.masks[i])
+                row = Row(rid, key[0], key[1], input_id, turn, traj, mask)
                 row.state = READY
                 row.payload = (payload, i)
                 rows[key] = row
                 ready[key] = row
-            block.left -= len(where)
+            block.left -= len(at)
             if block.left <= 0:
                 self._blocks.discard(block)
 
@@ -270,7 +290,8 @@ class LiveTable:
             return
         group = self._groups.get((row.version, row.input_id))  # row.group_key (hot path)
         if group is not None:
-            group.ready.pop((row.sample_id, row.version), None)
+            if group.ready is not None:
+                group.ready.pop((row.sample_id, row.version), None)
             if not group.ready and not group.in_heap and group.lazy is None:
                 del self._groups[group.key]
         self.ready_count -= 1

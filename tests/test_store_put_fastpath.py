@@ -501,3 +501,37 @@ def test_wide_rows_round_trip(open_store, sliced):
         assert want[sid] == (t, ids)
     refs = s.query("SELECT count(text__ref) AS t, count(ids__ref) AS i FROM w").to_pylist()
     assert refs == [{"t": len(want), "i": len(want)}]            # all stored by reference
+
+
+def test_group_numbers_from_arrow_match_numbering_row_by_row():
+    """A bulk put's groups are numbered in the order they first appear: by dictionary-encoding
+    the input ids when the rows share a version, by a dict row by row when they do not; both
+    number the same rows the same way."""
+    iids = ["b", "a", "b", "c", "a", "ä", "c", "b"]
+    one = pa.table({"policy_version": pa.array([3] * 8, pa.int64()),
+                    "input_id": pa.chunked_array([iids[:3], iids[3:]], pa.large_string())})
+    codes, groups = store.writer._group_codes(one, [])
+    assert codes.tolist() == [0, 1, 0, 2, 1, 3, 2, 0]
+    assert groups == [(3, "b"), (3, "a"), (3, "c"), (3, "ä")]
+    versions = [3, 3, 4, 3, 3, 4, 3, 4]
+    mixed = pa.table({"policy_version": pa.array(versions, pa.int64()),
+                      "input_id": pa.array(iids, pa.large_string())})
+    keys = [(f"{i}_0_{n}", v) for n, (i, v) in enumerate(zip(iids, versions))]
+    codes, groups = store.writer._group_codes(mixed, keys)
+    assert codes.tolist() == [0, 1, 2, 3, 1, 4, 3, 2]
+    assert groups == [(3, "b"), (3, "a"), (4, "b"), (3, "c"), (4, "ä")]
+
+
+def test_a_block_with_two_versions_is_claimed_by_version_then_input_id(open_store):
+    s = open_store()
+    s.create_table("t", COLUMNS, max_staleness=2)
+    s.bump_version("t")
+    rows = [{**_full(f"q{i}_0_{t}", float(t)), "policy_version": v}
+            for v in (1, 0) for i in (1, 0) for t in (1, 0)]
+    s.put("t", rows)
+    assert _blocked(s) == 8
+    got = s.claim("t", 8).data
+    assert list(zip(got.column("policy_version").to_pylist(),
+                    got.column("sample_id").to_pylist())) == [
+        (v, f"q{i}_0_{t}") for v in (0, 1) for i in (0, 1) for t in (0, 1)]
+    assert _blocked(s) == 0
