@@ -386,6 +386,7 @@ class LiveTable:
         try:
             for group in self._iter_groups():
                 seen.append(group)
+                assert group.ready is not None  # _iter_groups yields groups with ready rows
                 rows = sorted(group.ready.values(), key=Row.order)
                 if accept is not None:
                     rows = [r for r in rows if accept(r)]
