@@ -75,7 +75,7 @@ def target_rows(results: Results) -> list[list[str]]:
         if ratio is None:
             shown = "—"
         elif t.baseline is None:
-            unit = {"pct": "%", "ms": "ms"}.get(t.measured.rsplit("_", 1)[-1], "x")
+            unit = t.unit
             shown = f"{ratio:.{_decisive(ratio, t.bound, 2)}f}x" if unit == "x" \
                 else fmt(ratio, unit)
         elif t.bound < 1 and t.at_least:

@@ -30,10 +30,17 @@ class Target:
         return ratio, "PASS" if ok else "MISS"
 
     @property
+    def unit(self) -> str:
+        """The measured figure's unit, from its key: ``…_ms`` or ``…_ms_1e7`` ms, ``…_pct`` %,
+        else a ratio ("x")."""
+        parts = self.measured.rsplit(".", 1)[-1].split("_")
+        return "ms" if "ms" in parts else "%" if "pct" in parts else "x"
+
+    @property
     def bound_text(self) -> str:
         op = "≥" if self.at_least else "≤"
         if self.baseline is None:
-            unit = {"pct": "%", "ms": " ms"}.get(self.measured.rsplit("_", 1)[-1], "x")
+            unit = {"%": "%", "ms": " ms"}.get(self.unit, "x")
             return f"{op} {self.bound:g}{unit}"
         if self.bound < 1 and self.at_least:
             return f"{op} {self.bound:.0%}"

@@ -60,3 +60,11 @@ def test_a_value_just_short_of_its_bound_does_not_round_onto_it():
     assert rows["wide ingest vs raw Flight MB/s"][1:] == ["69.7%", "≥ 70%", "MISS"]
     assert rows["claim-16 p50 vs raw Flight one-row call p50"][1:] == ["2.001x", "≤ 2x", "MISS"]
     assert rows["narrow ingest vs DuckDB bulk insert rows/s"][1] == "10%"   # far off: as before
+
+
+def test_a_latency_target_at_a_table_size_is_shown_in_ms():
+    from bench.targets import Target
+    t = Target("claim-16 p99 at 1e7 rows", "expstore_scaling.claim16_p99_ms_1e7", None, 5.0, False)
+    assert (t.unit, t.bound_text) == ("ms", "≤ 5 ms")
+    assert Target("overhead", "pipeline_sim.expstore_overhead_pct", None, 5.0, False).bound_text \
+        == "≤ 5%"
