@@ -92,8 +92,9 @@ class RowBlock:
     walks the whole ready-row index. Embedded bulk puts of 2.6 M rows: 13 -> 8 full collections,
     1.6 -> 0.8 s of 13-15 s. The per-row columns (row ids, turns, trajectory ids, status masks,
     group numbers, the order) are numpy arrays, not lists of ints: a full collection visits every
-    item of a list and none of an array, and an array costs 4-8 bytes a row against ~40 for a
-    list item and its int. A row's input id is its group's (``group_keys[codes[i]]``).
+    item of a list and none of an array, and an array costs 4-8 bytes a row where a list costs 8
+    plus an int object for each value over 256 (row ids, positions). A row's input id is its
+    group's (``group_keys[codes[i]]``), not a string per row.
     """
 
     __slots__ = ("keys", "row_ids", "turns", "trajs", "masks", "codes", "payload",
@@ -115,10 +116,6 @@ class RowBlock:
         self.min_version = min(gk[0] for gk in group_keys)
         self.left = len(keys)          # rows not yet built
         self._pos: dict[Key, int] | None = None
-
-    def group_rows(self, g: int) -> list[int]:
-        """Positions in the block of the rows of group ``group_keys[g]``."""
-        return self.order[self.starts[g]:self.starts[g + 1]].tolist()
 
     def position(self, key: Key) -> int:
         pos = self._pos
