@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import heapq
+import itertools
 import logging
 import threading
 import time
@@ -48,6 +49,8 @@ from .writer import BumpOp, CallOp, PutOp, SettleOp, SmallPutOp, Writer
 log = logging.getLogger("expstore.store")
 
 RECENT_CLAIMS = 100_000
+#: Ready rows a claim with a predicate evaluates first (then 4x more per round; see _accepted).
+WHERE_FIRST_ROWS = 256
 STATS_ATTEMPTS = 200  # reads of stats that may overlap a group commit before giving up
 
 
@@ -294,12 +297,7 @@ class EmbeddedStore:
         lives = [self._live_table(r.table) for r in requests]
         accepted: list[set[int] | None] = []
         for req, live in zip(requests, lives):
-            if req.where is None:
-                accepted.append(None)
-                continue
-            with self._lock:
-                candidates = [r.row_id for r in live.ready_rows(max(live.ready_count, 1))]
-            accepted.append(self._matching(req.table, req.where, candidates))
+            accepted.append(None if req.where is None else self._accepted(req, live))
         with self._lock:
             picks: list[list[Row]] = []
             for req, live, ok in zip(requests, lives, accepted):
@@ -345,6 +343,32 @@ class EmbeddedStore:
                     row.row_id, False, None, None, None, row.deliveries, False, False)
             self._notify()
         self._writer.poke()
+
+    def _accepted(self, req: ClaimRequest, live: LiveTable) -> set[int]:
+        """Ready rows satisfying a claim's predicate: enough of the first ready rows for the
+        claim, or of all of them.
+
+        Why in rounds: asking DuckDB about every ready row took seconds with a backlog (4.6 s for
+        a claim of 16 among 10^6 ready rows, and every row of the backlog built as an object);
+        a claim needs only the first rows that match. Each round evaluates the next rows in
+        claim order, four times as many as the round before, and stops once the claim could be
+        served from what matched (the selection a claim makes from a prefix of the order is
+        the one it makes from the whole order when the prefix holds enough matches).
+        """
+        assert req.where is not None
+        matched: set[int] = set()
+        asked: set[int] = set()
+        want = max(4 * req.limit, WHERE_FIRST_ROWS)
+        while True:
+            with self._lock:
+                ready = live.ready_count
+                prefix = live.ready_rows(max(min(want, ready), 1))
+            fresh = [r.row_id for r in prefix if r.row_id not in asked]
+            asked.update(fresh)
+            matched |= self._matching(req.table, req.where, fresh)
+            if len(prefix) >= ready or _fills(prefix, matched, req.limit, req.group_size):
+                return matched
+            want *= 4
 
     def _matching(self, table: str, where: str, row_ids: list[int]) -> set[int]:
         """Which candidate rows satisfy a claim predicate (evaluated in DuckDB)."""
@@ -907,6 +931,26 @@ def _inverse(order: list[int]) -> list[int]:
     for i, position in enumerate(order):
         inverse[position] = i
     return inverse
+
+
+def _fills(prefix: list[Row], matched: set[int], limit: int, group_size: int | None) -> bool:
+    """Whether a claim can take all it may from the matching rows of ``prefix`` (the first ready
+    rows, in claim order): ``limit`` rows, or as many whole groups as fit in it.
+
+    A claim choosing among the matches of a prefix then chooses what it would among the matches
+    of all ready rows: it takes rows in order (a group cut at the end of the prefix gives its
+    first rows), and it stops before the prefix ends. Rows another claim leases meanwhile are
+    skipped, so such a claim may return fewer rows (never others).
+    """
+    if not group_size:
+        return sum(1 for r in prefix if r.row_id in matched) >= limit
+    chosen = 0
+    for _, rows in itertools.groupby(prefix, key=lambda r: (r.version, r.input_id)):
+        whole = sum(1 for r in rows if r.row_id in matched) // group_size
+        chosen += min(whole, (limit - chosen) // group_size) * group_size
+        if chosen + group_size > limit:
+            return True
+    return False
 
 
 def _member_of(row_ids: set[int]) -> Callable[[Row], bool]:

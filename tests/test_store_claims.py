@@ -8,6 +8,7 @@ import time
 import pytest
 
 import store
+import store.live
 import store.writer
 from store import ClaimRequest
 from store.errors import InvalidArgument, LeaseExpired, NotFound, QueryRefused
@@ -156,6 +157,60 @@ def test_group_filter_in_sql(any_store):
     claim = s.claim("t", 16, where=informative, group_by="input_id", group_size=4)
     assert _groups(claim) == {"mixed": 4, "mixed2": 4}
     assert _stats(s)["ready"] == 8                          # the uninformative groups wait
+
+
+def _sparse_backlog(s, inputs=1500, per=4):
+    """inputs x per ready rows, in groups of ``per``; reward 1 on a sparse, spread set of rows
+    (whole groups and, for some groups, all but their last row), 0 elsewhere."""
+    ids, rewards = [], []
+    for i in range(inputs):
+        hit = (i * 7919) % 1000
+        for t in range(per):
+            ids.append(f"q{i:05d}_0_{t}")
+            rewards.append(1.0 if hit < 6 or (hit < 12 and t < per - 1) else 0.0)
+    s.put("t", {"sample_id": ids, "reward": rewards})
+    return list(zip(ids, rewards))
+
+
+@pytest.mark.parametrize("group_size", [None, 4])
+def test_a_predicate_over_a_long_backlog_takes_the_first_matches(any_store, group_size):
+    """A claim with a predicate evaluates ready rows in rounds (the first 256, then four times
+    as many each round); what it takes is what evaluating the whole backlog would give: the
+    first matching rows in claim order, or the first groups with enough matching rows,
+    wherever a round ends."""
+    s = any_store
+    s.create_table("t", {"reward": "float64"})
+    rows = _sparse_backlog(s)
+    matching = [sid for sid, r in rows if r == 1.0]
+    if group_size is None:
+        want = matching[:16]
+    else:
+        by_input: dict[str, list[str]] = {}
+        for sid in matching:
+            by_input.setdefault(sid.split("_")[0], []).append(sid)
+        whole = [sids for sids in by_input.values() if len(sids) >= group_size]
+        want = [sid for sids in whole[:4] for sid in sids[:group_size]]
+    kw = {"group_by": "input_id", "group_size": group_size} if group_size else {}
+    claim = s.claim("t", 16, where="reward > 0.5", **kw)
+    assert _ids(claim) == want
+    # the matches come from past the first rounds, and nothing else was taken
+    assert rows.index((want[-1], 1.0)) > 1024
+    assert _stats(s)["ready"] == len(rows) - 16
+
+
+def test_a_predicate_claim_leaves_the_backlog_it_did_not_need_unbuilt(open_store):
+    """Rows a bulk put made ready stay in its block until something reads them; a claim with a
+    predicate that the first rows satisfy reads a few hundred rows, not the whole backlog."""
+    s = open_store()
+    s.create_table("t", {"reward": "float64"})
+    s.put("t", {"sample_id": [f"q{i}_0_{t}" for i in range(5000) for t in range(4)],
+                "reward": [1.0] * 20000})
+    claim = s.claim("t", 16, where="reward > 0.5")
+    assert claim.num_rows == 16
+    unbuilt = sum(type(r) is store.live.RowBlock for r in s._live["t"].rows.values())
+    assert unbuilt > 19000
+    assert s.claim("t", 16, where="reward > 2").num_rows == 0   # no match: all rows read
+    assert not any(type(r) is store.live.RowBlock for r in s._live["t"].rows.values())
 
 
 def test_ack_is_idempotent_and_final(any_store):
