@@ -32,11 +32,13 @@ def fill(s: Any, table: str, rows: int, start: int = 0, chunk: int = 1_000_000) 
 
 
 def claim_latencies(s: Any, table: str, n: int, size: int, group: bool,
-                    budget_s: float) -> tuple[list, list, list]:
+                    budget_s: float, where: str | None = None) -> tuple[list, list, list]:
     """Durations (s) of up to ``n`` claims each (within ``budget_s``): claims back to back (as
     the raw Flight call they are compared with is measured; acked afterwards), claim+ack pairs,
-    and the claims of those pairs (each right after a waited ack)."""
-    kw = {"group_by": "input_id", "group_size": GROUP} if group else {}
+    and the claims of those pairs (each right after a waited ack); ``where``: a predicate."""
+    kw: dict[str, Any] = {"group_by": "input_id", "group_size": GROUP} if group else {}
+    if where is not None:
+        kw["where"] = where
     held: list[str] = []
 
     def claim() -> Any:

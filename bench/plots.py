@@ -99,6 +99,7 @@ def scaling(results: Results, path: Path) -> bool:
     fig, (ax, ax_rate) = plt.subplots(1, 2, figsize=(11, 4))
     rows = [p["rows"] for p in points]
     for key, style, label in (("p50_ms", "o-", "claim 16 p50"), ("p99_ms", "o--", "claim 16 p99"),
+                              ("where_p50_ms", "D-", "claim 16 with a predicate p50"),
                               ("put_p50_ms", "s-", "one-sample put p50"),
                               ("put_p99_ms", "s--", "one-sample put p99"),
                               ("deliver_p50_ms", "^-", "put → delivered p50"),
@@ -125,7 +126,7 @@ def scaling(results: Results, path: Path) -> bool:
         ax2.set_ylabel("server RSS (GB)")
         ax2.set_ylim(bottom=0)
         ax2.legend(loc="upper right", fontsize=7)
-    ax_rate.legend(loc="upper left", fontsize=7)
+    ax_rate.legend(loc="lower left", fontsize=7)
     ax_rate.set_title("ingest and memory vs table size")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
