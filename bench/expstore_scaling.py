@@ -33,8 +33,8 @@ TITLE = "expstore as the table grows (1e5 → 1e7 rows)"
 PROBE_ROWS = 65_536
 #: A claim predicate that half the rows satisfy (rewards are uniform in [0, 1)).
 HALF = "reward < 0.5"
-#: Server memory per ready narrow row, measured (~0.6 KB at 1e7): a size is left out when the
-#: machine's available memory would not hold it with room to spare.
+#: Server memory per ready narrow row, with room to spare (~450 bytes measured at 1e7): a size is
+#: left out when the machine's available memory would not hold it.
 BYTES_PER_ROW = 1_000
 
 
