@@ -23,7 +23,7 @@ from bench import expstore_server
 from bench.context import Ctx
 from bench.expstore_claims import claim_latencies, fill, put_to_delivery
 from bench.expstore_ingest import put_one_op
-from bench.util import percentiles_ms, run_for
+from bench.util import available_mb, percentiles_ms, run_for
 from bench.workloads import NARROW_COLUMNS, narrow_table, rebatch
 
 NAME = "expstore_scaling"
@@ -36,17 +36,6 @@ HALF = "reward < 0.5"
 #: Server memory per ready narrow row, with room to spare (~450 bytes measured at 1e7): a size is
 #: left out when the machine's available memory would not hold it.
 BYTES_PER_ROW = 1_000
-
-
-def available_mb() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 def label_of(size: int) -> str:

@@ -104,6 +104,17 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def available_mb() -> float | None:
+    """Memory the machine can still give (MemAvailable) in MB (1e6 bytes); None without /proc."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    except OSError:
+        return None
+    return None
+
+
 def tree_rss_mb(pid: int) -> float:
     """Resident memory of a process and its children (psutil when present, else /proc of pid)."""
     try:

@@ -820,10 +820,10 @@ class Writer:
         if fresh and payload is not None and complete.all() and ready.all():
             # Every row new, ready and with its values at hand (the bulk case): indexed as one
             # block, its rows built when a claim or a write first touches their group.
-            codes, group_keys = _group_codes(physical, keys)
-            block = RowBlock(keys, row_ids, _ints(physical.column("turn")),
-                             _ints(physical.column("trajectory_id")), set_mask, codes, payload,
-                             group_keys)
+            codes, group_keys = _group_codes(physical)
+            block = RowBlock(keys, row_ids, physical.column("turn").to_numpy(),
+                             physical.column("trajectory_id").to_numpy(), set_mask, codes,
+                             payload, group_keys)
 
             def apply_block() -> None:
                 if store._live.get(tname) is not live:
@@ -1086,13 +1086,7 @@ class Writer:
         return updates
 
 
-def _ints(column: pa.ChunkedArray) -> np.ndarray:
-    """A column without nulls as one numpy array."""
-    return column.to_numpy()
-
-
-def _group_codes(physical: pa.Table, keys: list[tuple[str, int]]
-                 ) -> tuple[np.ndarray, list[tuple[int, str]]]:
+def _group_codes(physical: pa.Table) -> tuple[np.ndarray, list[tuple[int, str]]]:
     """Each row's group number, groups numbered in the order they first appear, and the groups'
     keys ``(policy_version, input_id)``.
 
@@ -1109,7 +1103,7 @@ def _group_codes(physical: pa.Table, keys: list[tuple[str, int]]
     by_group: dict[tuple[int, str], int] = {}
     get = by_group.get
     codes: list[int] = []
-    for gk in zip([k[1] for k in keys], physical.column("input_id").to_pylist()):
+    for gk in zip(versions.to_pylist(), physical.column("input_id").to_pylist()):
         g = get(gk)
         if g is None:
             g = by_group[gk] = len(by_group)

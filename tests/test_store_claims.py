@@ -8,7 +8,6 @@ import time
 import pytest
 
 import store
-import store.live
 import store.writer
 from store import ClaimRequest
 from store.errors import InvalidArgument, LeaseExpired, NotFound, QueryRefused
@@ -196,21 +195,6 @@ def test_a_predicate_over_a_long_backlog_takes_the_first_matches(any_store, grou
     # the matches come from past the first rounds, and nothing else was taken
     assert rows.index((want[-1], 1.0)) > 1024
     assert _stats(s)["ready"] == len(rows) - 16
-
-
-def test_a_predicate_claim_leaves_the_backlog_it_did_not_need_unbuilt(open_store):
-    """Rows a bulk put made ready stay in its block until something reads them; a claim with a
-    predicate that the first rows satisfy reads a few hundred rows, not the whole backlog."""
-    s = open_store()
-    s.create_table("t", {"reward": "float64"})
-    s.put("t", {"sample_id": [f"q{i}_0_{t}" for i in range(5000) for t in range(4)],
-                "reward": [1.0] * 20000})
-    claim = s.claim("t", 16, where="reward > 0.5")
-    assert claim.num_rows == 16
-    unbuilt = sum(type(r) is store.live.RowBlock for r in s._live["t"].rows.values())
-    assert unbuilt > 19000
-    assert s.claim("t", 16, where="reward > 2").num_rows == 0   # no match: all rows read
-    assert not any(type(r) is store.live.RowBlock for r in s._live["t"].rows.values())
 
 
 def test_ack_is_idempotent_and_final(any_store):

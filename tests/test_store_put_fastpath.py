@@ -510,14 +510,13 @@ def test_group_numbers_from_arrow_match_numbering_row_by_row():
     iids = ["b", "a", "b", "c", "a", "ä", "c", "b"]
     one = pa.table({"policy_version": pa.array([3] * 8, pa.int64()),
                     "input_id": pa.chunked_array([iids[:3], iids[3:]], pa.large_string())})
-    codes, groups = store.writer._group_codes(one, [])
+    codes, groups = store.writer._group_codes(one)
     assert codes.tolist() == [0, 1, 0, 2, 1, 3, 2, 0]
     assert groups == [(3, "b"), (3, "a"), (3, "c"), (3, "ä")]
     versions = [3, 3, 4, 3, 3, 4, 3, 4]
     mixed = pa.table({"policy_version": pa.array(versions, pa.int64()),
                       "input_id": pa.array(iids, pa.large_string())})
-    keys = [(f"{i}_0_{n}", v) for n, (i, v) in enumerate(zip(iids, versions))]
-    codes, groups = store.writer._group_codes(mixed, keys)
+    codes, groups = store.writer._group_codes(mixed)
     assert codes.tolist() == [0, 1, 2, 3, 1, 4, 3, 2]
     assert groups == [(3, "b"), (3, "a"), (4, "b"), (3, "c"), (4, "ä")]
 
@@ -534,4 +533,18 @@ def test_a_block_with_two_versions_is_claimed_by_version_then_input_id(open_stor
     assert list(zip(got.column("policy_version").to_pylist(),
                     got.column("sample_id").to_pylist())) == [
         (v, f"q{i}_0_{t}") for v in (0, 1) for i in (0, 1) for t in (0, 1)]
+    assert _blocked(s) == 0
+
+
+def test_a_predicate_claim_leaves_the_backlog_it_did_not_need_unbuilt(open_store):
+    """Rows a bulk put made ready stay in its block until something reads them; a claim with a
+    predicate that the first rows satisfy reads a few hundred rows, not the whole backlog."""
+    s = open_store()
+    s.create_table("t", {"reward": "float64"})
+    s.put("t", {"sample_id": [f"q{i}_0_{t}" for i in range(5000) for t in range(4)],
+                "reward": [1.0] * 20000})
+    claim = s.claim("t", 16, where="reward > 0.5")
+    assert claim.num_rows == 16
+    assert _blocked(s) > 19000
+    assert s.claim("t", 16, where="reward > 2").num_rows == 0   # no match: all rows read
     assert _blocked(s) == 0
