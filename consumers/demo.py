@@ -132,6 +132,25 @@ class _Progress(threading.Thread):
 
 
 # -- the run -----------------------------------------------------------------------------------------
+def _torch_device(name: str) -> Any:
+    """``name`` as a torch device, refused clearly if this machine has no such device."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r} is not a torch device ({e}); expected cpu or cuda[:N]") from e
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {name!r}: torch sees no CUDA device here (torch {torch.__version__})")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name!r}: torch sees {count} CUDA device(s), 0..{count - 1}")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name!r}: expected cpu or cuda[:N]")
+    return device
+
+
 def _next_prefix(tables: list[str]) -> tuple[str, int]:
     runs = [int(m.group(1)) for t in tables if (m := re.match(r"^demo(\d+)_", t))]
     run = max(runs, default=0) + 1
@@ -140,10 +159,15 @@ def _next_prefix(tables: list[str]) -> tuple[str, int]:
 
 def run_demo(db: str = "./expstore.duckdb", *, port: int = 0, config: DemoConfig = DemoConfig(),
              out: TextIO | None = None, progress_interval: float = 0.0,
-             deadline: float = 300.0) -> dict[str, Any]:
-    """Run the demo and return its summary (see docs/demo.md for the fields)."""
+             deadline: float = 300.0, device: str = "cpu") -> dict[str, Any]:
+    """Run the demo and return its summary (see docs/demo.md for the fields).
+
+    ``device`` is where the models roll out and train (``"cuda"`` for the first GPU).
+    """
     import pyarrow as pa
     import torch
+
+    torch_device = _torch_device(device)
 
     from consumers.torch_collate import collate
     from consumers.trainer import TorchTrainer, TrainerThread, grpo_loss
@@ -180,7 +204,7 @@ def run_demo(db: str = "./expstore.duckdb", *, port: int = 0, config: DemoConfig
             weights_dir = f"{os.path.abspath(db)}.weights/demo{run}"
             out.write(f"expstore demo run {run}: {len(agents)} agents "
                       f"({' → '.join(a.name for a in agents)}), {cfg.rounds} rounds x "
-                      f"{cfg.queries_per_round} queries, n={cfg.n}\n"
+                      f"{cfg.queries_per_round} queries, n={cfg.n}, models on {torch_device}\n"
                       f"  store {db}, served at {server.location}, tables {prefix}*\n"
                       f"  progress: elapsed | agent version ready/processing/consumed | rate\n")
             out.flush()
@@ -189,7 +213,7 @@ def run_demo(db: str = "./expstore.duckdb", *, port: int = 0, config: DemoConfig
             for i, agent in enumerate(agents):
                 table = wf.tables[agent.name]
                 micro, global_batch, group = sizes[table]
-                model = build_tiny_lm(seed=cfg.seed + i, config=model_config)
+                model = build_tiny_lm(seed=cfg.seed + i, config=model_config).to(torch_device)
                 trainer = TorchTrainer(model, torch.optim.Adam(model.parameters(), lr=cfg.lr),
                                        grpo_loss, weights_dir, name=table, keep_last=2,
                                        collate_fn=partial(collate, group_size=group))
@@ -198,7 +222,7 @@ def run_demo(db: str = "./expstore.duckdb", *, port: int = 0, config: DemoConfig
                 trainers[agent.name] = TrainerThread(trainer, sub, max_steps=cfg.rounds,
                                                      idle_timeout=deadline)
             backends = {a.name: TinyLMBackend(build_tiny_lm(seed=cfg.seed + i, config=model_config),
-                                              seed=cfg.seed + i)
+                                              seed=cfg.seed + i, device=torch_device)
                         for i, a in enumerate(agents)}
             written = [0]
             lock = threading.Lock()
@@ -230,6 +254,7 @@ def run_demo(db: str = "./expstore.duckdb", *, port: int = 0, config: DemoConfig
             finished = max([result.finished] + [t.trainer.busy[-1][1] for t in trainers.values()])
             summary = _summary(cfg, run, db, server.location, prefix, wf, result, trainers,
                                started, finished, s)
+            summary["device"] = str(torch_device)
     finally:
         server.close()
         serving.join(timeout=30)
@@ -297,7 +322,7 @@ def format_summary(d: dict[str, Any]) -> str:
     lines = [
         "",
         f"Done: {d['samples']} samples from {d['queries']} queries in {d['wall_seconds']:.1f} s "
-        f"({d['samples_per_second']:.1f} samples/s).",
+        f"({d['samples_per_second']:.1f} samples/s, models on {d['device']}).",
         "",
         f"  {'per agent':<22}{col}",
         row("samples written", "samples"),
@@ -345,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, help="samples per prompt (the GRPO group size)")
     p.add_argument("--latency", type=float, help="median injected rollout latency, seconds")
     p.add_argument("--seed", type=int, help="seed of models and latencies")
+    p.add_argument("--device", default="cpu",
+                   help="where the models roll out and train: cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--progress-interval", type=float, default=0.0,
                    help="seconds between progress updates (default 0.25 on a terminal, else 1)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (progress goes to stderr)")
@@ -358,11 +385,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, **overrides)
     if cfg.rounds < 1 or cfg.queries_per_round < 1 or cfg.n < 2:
         p.error("--rounds and --queries must be >= 1 and --n >= 2")
+    try:
+        _torch_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
     from store.errors import ExpstoreError
     try:
         summary = run_demo(args.db, port=args.port, config=cfg,
                            out=sys.stderr if args.json else sys.stdout,
-                           progress_interval=args.progress_interval)
+                           progress_interval=args.progress_interval, device=args.device)
     except (ExpstoreError, OSError, TimeoutError) as e:
         print(f"expstore demo: {e}", file=sys.stderr)
         return 1

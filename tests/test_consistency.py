@@ -7,7 +7,8 @@ random delays, through the real Flight server (127.0.0.1, port 0, a DuckDB file 
 each sample in two parts (the generation, then the reward); a torch trainer consumes the
 subscription in group-aware micro-batches of 16 (global batch 64) through a remote client. The
 trained parameters must equal, in float64, those of one plain full-batch step per global batch
-on the same samples, and the version must be bumped exactly once per global batch.
+on the same samples, and the version must be bumped exactly once per global batch. It runs on
+the CPU, and on the GPU where there is one (``-m gpu``).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from flight_server.client import RemoteStore  # noqa: E402
 from producers.rollout.tiny_lm import TinyLMBackend, build_tiny_lm  # noqa: E402
 from producers.rollout.weights import load_state_dict  # noqa: E402
 from producers.writer import ExperienceWriter  # noqa: E402
+from devices import DEVICES  # noqa: E402
 from flight_fixtures import running_server  # noqa: E402
 
 MICRO, GLOBAL, GROUP, GLOBAL_BATCHES, PRODUCERS = 16, 64, 4, 3, 3
@@ -58,14 +60,15 @@ def grpo_loss(model: torch.nn.Module, b: TorchBatch) -> tuple[torch.Tensor, torc
 collate64 = partial(collate, float_dtype=torch.float64, group_size=GROUP)
 
 
-def full_batch_reference(model: torch.nn.Module, batches: list[list[dict]]) -> list[torch.Tensor]:
+def full_batch_reference(model: torch.nn.Module, batches: list[list[dict]],
+                         device: str) -> list[torch.Tensor]:
     """One ordinary optimizer step per global batch, on all of its samples at once."""
     opt = torch.optim.Adam(model.parameters(), lr=0.02)
     for rows in batches:
         table = pa.Table.from_pylist(rows).append_column(
             "input_id", pa.array([r["sample_id"].rsplit("_", 2)[0] for r in rows]))
         opt.zero_grad()
-        loss_sum, n = grpo_loss(model, collate64(table))
+        loss_sum, n = grpo_loss(model, collate64(table).to(device))
         (loss_sum / n).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
@@ -98,12 +101,13 @@ class Producer(threading.Thread):
             self.errors.append(e)
 
 
-def test_micro_batch_training_through_flight_equals_full_batch_steps(tmp_path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_micro_batch_training_through_flight_equals_full_batch_steps(tmp_path, device: str) -> None:
     backend = TinyLMBackend(seed=3)
     batches = [make_global_batch(backend, k) for k in range(GLOBAL_BATCHES)]
-    model = build_tiny_lm(seed=7).double()
+    model = build_tiny_lm(seed=7).double().to(device)
     initial = [p.detach().clone() for p in model.parameters()]
-    expected = full_batch_reference(copy.deepcopy(model), batches)
+    expected = full_batch_reference(copy.deepcopy(model), batches, device)
 
     rng = random.Random(11)
     shares: list[list[list[dict]]] = [[] for _ in range(PRODUCERS)]
@@ -159,4 +163,5 @@ def test_micro_batch_training_through_flight_equals_full_batch_steps(tmp_path) -
     assert moved > 1e-2  # the steps happened, far above the tolerance
     published = load_state_dict(reports[-1].weights_uri)
     for k, v in model.state_dict().items():
-        torch.testing.assert_close(published[k], v)
+        assert published[k].device.type == "cpu"  # loadable where the trainer's device is not
+        torch.testing.assert_close(published[k], v.cpu())

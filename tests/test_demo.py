@@ -14,6 +14,26 @@ AGENTS = ("planner", "solver", "verifier")
 PER_QUERY = {"planner": 2, "solver": 4, "verifier": 8}  # n = 2
 
 
+def check_quick_summary(summary: dict, run: int) -> None:
+    """What every --quick run's summary must say, whatever the device."""
+    assert summary["run"] == run and summary["tables"] == f"demo{run}_*"
+    assert summary["samples"] == 112 and summary["rounds"] == 2 and summary["queries"] == 8
+    for name in AGENTS:
+        a = summary["agents"][name]
+        assert a["table"] == f"demo{run}_{name}"
+        assert a["version"] == a["steps"] == 2
+        assert a["samples"] == a["consumed"] == 8 * PER_QUERY[name]
+        assert 0 <= a["hidden_seconds"] <= a["train_seconds"]
+    assert 0 < summary["hidden_train_seconds"] <= summary["train_seconds"]
+    assert 0 <= summary["hidden_fraction"] <= 1
+    assert summary["sync_estimate_seconds"] == pytest.approx(
+        summary["rollout_seconds"] + summary["train_seconds"], abs=0.01)
+    assert summary["saved_seconds"] == pytest.approx(
+        summary["sync_estimate_seconds"] - summary["wall_seconds"], abs=0.01)
+    assert summary["rollout_latency_max"] >= summary["rollout_latency_p95"] \
+        >= summary["rollout_latency_p50"] > 0
+
+
 def test_quick_demo_twice_on_one_file(tmp_path, capsys) -> None:
     db = str(tmp_path / "expstore.duckdb")
 
@@ -31,22 +51,8 @@ def test_quick_demo_twice_on_one_file(tmp_path, capsys) -> None:
     captured = capsys.readouterr()
     summary = json.loads(captured.out)
     assert "| verifier v" in captured.err  # with --json, progress goes to stderr
-    assert summary["run"] == 2 and summary["tables"] == "demo2_*"
-    assert summary["samples"] == 112 and summary["rounds"] == 2 and summary["queries"] == 8
-    for name in AGENTS:
-        a = summary["agents"][name]
-        assert a["table"] == f"demo2_{name}"
-        assert a["version"] == a["steps"] == 2
-        assert a["samples"] == a["consumed"] == 8 * PER_QUERY[name]
-        assert 0 <= a["hidden_seconds"] <= a["train_seconds"]
-    assert 0 < summary["hidden_train_seconds"] <= summary["train_seconds"]
-    assert 0 <= summary["hidden_fraction"] <= 1
-    assert summary["sync_estimate_seconds"] == pytest.approx(
-        summary["rollout_seconds"] + summary["train_seconds"], abs=0.01)
-    assert summary["saved_seconds"] == pytest.approx(
-        summary["sync_estimate_seconds"] - summary["wall_seconds"], abs=0.01)
-    assert summary["rollout_latency_max"] >= summary["rollout_latency_p95"] \
-        >= summary["rollout_latency_p50"] > 0
+    check_quick_summary(summary, run=2)
+    assert summary["device"] == "cpu"
 
     with store.connect(db) as s:
         tables = set(s.list_tables())
@@ -64,9 +70,27 @@ def test_interval_arithmetic() -> None:
     assert demo.overlap_seconds([], [(0, 1)]) == 0
 
 
-def test_bad_arguments_are_refused() -> None:
+def test_bad_arguments_are_refused(capsys) -> None:
     with pytest.raises(SystemExit):
         demo.main(["--n", "1", "--quick"])
+    for device, says in (("tpu", "not a torch device"), ("cuda:99", "CUDA device"),
+                         ("meta", "expected cpu or cuda")):
+        with pytest.raises(SystemExit):
+            demo.main(["--quick", "--device", device])
+        err = capsys.readouterr().err
+        assert f"--device {device!r}" in err and says in err, err
+
+
+@pytest.mark.gpu
+def test_quick_demo_on_cuda(tmp_path) -> None:
+    """The whole pipeline with every model rolling out and training on the GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip(f"torch {torch.__version__} sees no CUDA device")
+    summary = demo.run_demo(str(tmp_path / "gpu.duckdb"), config=demo.QUICK, device="cuda")
+    check_quick_summary(summary, run=1)
+    assert summary["device"] == "cuda"
 
 
 def test_the_console_script_ends_with_the_summary(tmp_path) -> None:

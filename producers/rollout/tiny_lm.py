@@ -147,11 +147,15 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class TinyLMBackend(RolloutBackend):
-    """Rollout backend over a :class:`TinyCausalLM` on the CPU.
+    """Rollout backend over a :class:`TinyCausalLM`, on the CPU or a CUDA device.
 
     The ``n`` samples of one prompt are generated as one batch; prompts run one after another (the
     model is tiny, the point is real tokens, not speed). Calls without ``SamplingConfig.seed`` draw
-    from a generator seeded once with ``seed``, so successive calls differ but a run is repeatable.
+    from a generator seeded once with ``seed``, so successive calls differ but a run is repeatable
+    (on one kind of device: CUDA draws a different stream from the same seed).
+
+    ``device`` (default: where ``model``'s parameters are) is where generation runs; published
+    weights, saved on the CPU, are copied onto it when loaded.
 
     Example:
         >>> import tempfile
@@ -170,14 +174,17 @@ class TinyLMBackend(RolloutBackend):
         *,
         seed: int = 0,
         tokenizer: ByteTokenizer | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.model = (model if model is not None else build_tiny_lm(seed)).eval()
+        model = model if model is not None else build_tiny_lm(seed)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer or ByteTokenizer()
-        self._rng = torch.Generator().manual_seed(seed)
+        self._rng = torch.Generator(self.device).manual_seed(seed)
 
     def _load_weights(self, uri: str) -> None:
-        self.model.load_state_dict(load_state_dict(uri))
+        self.model.load_state_dict(load_state_dict(uri, map_location=self.device))
 
     @torch.inference_mode()
     def _generate(
@@ -188,7 +195,8 @@ class TinyLMBackend(RolloutBackend):
         sampling: SamplingConfig,
         on_partial: PartialCallback | None,
     ) -> list[Generation]:
-        rng = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else self._rng
+        rng = (torch.Generator(self.device).manual_seed(sampling.seed) if sampling.seed is not None
+               else self._rng)
         dtype = next(self.model.parameters()).dtype
         out: list[Generation] = []
         for pi, prompt in enumerate(prompts):
@@ -198,7 +206,7 @@ class TinyLMBackend(RolloutBackend):
                     f"prompt {pi} has {len(prompt_ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
                     f"the model's max_seq_len {self.model.config.max_seq_len}"
                 )
-            seq = torch.tensor(prompt_ids).expand(n, -1).clone()
+            seq = torch.tensor(prompt_ids, device=self.device).expand(n, -1).clone()
             tokens: list[list[int]] = [[] for _ in range(n)]
             logps: list[list[float]] = [[] for _ in range(n)]
             done = [False] * n
@@ -211,12 +219,15 @@ class TinyLMBackend(RolloutBackend):
                 else:
                     probs = _top_p_filter(logits / sampling.temperature, sampling.top_p).softmax(-1)
                     nxt = torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+                # One copy to the host per step, not one per sample (each is a sync on a GPU).
+                step_tokens = nxt.tolist()
+                step_logps = logp.gather(-1, nxt[:, None]).squeeze(-1).tolist()
                 for i in range(n):
                     if done[i]:
                         continue
-                    tok = int(nxt[i])
+                    tok = step_tokens[i]
                     tokens[i].append(tok)
-                    logps[i].append(float(logp[i, tok]))
+                    logps[i].append(step_logps[i])
                     done[i] = tok == ByteTokenizer.EOS
                     if on_partial is not None:
                         # One call per token; the last one (EOS or the length limit) says finished.

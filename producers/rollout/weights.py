@@ -79,7 +79,7 @@ def publish_state_dict(
     out_dir = Path(weights_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"{name}-step{step:08d}.pt"
-    cpu_state = {k: v.detach().to("cpu").clone() for k, v in state_dict.items()}
+    cpu_state = {k: _for_saving(v) for k, v in state_dict.items()}
     fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", dir=out_dir)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -97,6 +97,22 @@ def publish_state_dict(
     finally:
         os.close(dir_fd)
     return path_to_uri(final)
+
+
+def _for_saving(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host, holding only its own elements.
+
+    A device tensor's copy to the host is already new; a host tensor is saved as it is (no
+    snapshot needed: ``torch.save`` has written it before the publish returns), unless it is a
+    view, whose whole storage ``torch.save`` would write. A 44 M-parameter model's state once took
+    a second copy of ~250 ms here.
+    """
+    t = t.detach()
+    if t.device.type != "cpu":
+        return t.to("cpu")
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return t.clone()
 
 
 def load_state_dict(uri: str, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
