@@ -13,7 +13,8 @@ accumulates, ``step`` is the boundary). A managed engine also works: the loop th
 explicitly with ``engine.set_gradient_accumulation_boundary``.
 
 Acks: by default a micro-batch is acked right after its backward (its gradient is in the
-accumulation cache, the paper's model). ``ack_at_step=True`` acks the whole global batch only after
+accumulation cache, the paper's model), without waiting for the answer; the loop waits for all of
+them before it bumps the version (:class:`consumers.acks.PendingAcks`). ``ack_at_step=True`` acks the whole global batch only after
 the optimizer step, so a trainer crash mid-batch re-delivers those samples, at the price of holding
 more leases: the subscription's ``max_in_flight`` must be at least the number of micro-batches per
 global batch, and its lease longer than one global batch takes.
@@ -38,6 +39,7 @@ import pyarrow as pa
 import torch
 
 from consumers.accumulation import GradientAccumulator
+from consumers.acks import PendingAcks
 from consumers.torch_collate import TorchBatch, collate
 from producers.rollout.weights import prune_published, publish_state_dict
 
@@ -53,7 +55,7 @@ class MicroBatchLike(Protocol):
     def index(self) -> int: ...
     @property
     def is_boundary(self) -> bool: ...
-    def ack(self) -> Any: ...
+    def ack(self, wait: bool = True) -> Any: ...
 
 
 #: ``loss_fn(engine, batch) -> (loss_sum, count)``: the micro-batch's summed loss and its number of
@@ -148,6 +150,7 @@ class DeepSpeedTrainLoop:
         self.keep_last = keep_last
         self.ack_at_step = ack_at_step
         self.step = 0
+        self._acks = PendingAcks()
         self._managed = bool(engine.managed_gradient_accumulation()) if hasattr(engine, "managed_gradient_accumulation") else True
         self.accumulator = GradientAccumulator(
             engine.module.parameters(),
@@ -185,7 +188,7 @@ class DeepSpeedTrainLoop:
             if self.ack_at_step:
                 pending.append(mb)
             else:
-                mb.ack()
+                self._acks.send(mb)
             if mb.is_boundary:
                 yield self._finish_step(pending, bump_version)
                 pending = []
@@ -202,7 +205,8 @@ class DeepSpeedTrainLoop:
         self.step += 1
         uri = publish_state_dict(self.engine.module.state_dict(), self.weights_dir, self.step, name=self.name)
         for mb in pending:
-            mb.ack()
+            self._acks.send(mb)
+        self._acks.settle()
         version = bump_version(weights_uri=uri)
         if self.keep_last is not None:
             prune_published(self.weights_dir, self.keep_last, name=self.name)

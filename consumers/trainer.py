@@ -2,7 +2,8 @@
 
 For each micro-batch the trainer collates it, computes the loss, backpropagates it through
 :class:`consumers.accumulation.GradientAccumulator` (the scale that makes the accumulated
-gradient equal the global batch's) and acks it: its gradient is in the accumulation cache. At the
+gradient equal the global batch's) and acks it: its gradient is in the accumulation cache (the
+ack is not waited for; every answer is, before the bump: :mod:`consumers.acks`). At the
 accumulation boundary (``MicroBatch.is_boundary``, set by the subscription) it completes the
 gradient, takes the optimizer step, publishes the weights and calls
 ``sub.bump_version(weights_uri=uri)``, so producers load the new policy and the subscription
@@ -49,6 +50,7 @@ import pyarrow as pa
 import torch
 
 from consumers.accumulation import GradientAccumulator
+from consumers.acks import PendingAcks
 from consumers.grpo import clipped_policy_loss, token_logprobs
 from consumers.torch_collate import TorchBatch, collate
 from producers.rollout.weights import prune_published, publish_state_dict
@@ -125,6 +127,7 @@ class TorchTrainer:
         self.keep_last = keep_last
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.accumulator = GradientAccumulator(model.parameters(), global_count=global_count)
+        self._acks = PendingAcks()
         self.step = 0
         self.samples = 0
         self.busy: list[tuple[float, float]] = []
@@ -145,7 +148,7 @@ class TorchTrainer:
         self.accumulator.backward(loss_sum, count, is_last=bool(mb.is_boundary))
         self._global_samples += mb.data.num_rows
         self._record(start)
-        mb.ack()
+        self._acks.send(mb)
 
     def finish_global_batch(self, sub: Any) -> TrainStep:
         """Optimizer step, publish the weights, bump the version (at the boundary)."""
@@ -160,6 +163,7 @@ class TorchTrainer:
         uri = publish_state_dict(self.model.state_dict(), self.weights_dir, self.step,
                                  name=self.name)
         self._record(start)
+        self._acks.settle()
         version = int(sub.bump_version(weights_uri=uri))
         if self.keep_last is not None:
             prune_published(self.weights_dir, self.keep_last, name=self.name)

@@ -1,10 +1,14 @@
-"""The DeepSpeed consumer loop on CPU (world size 1, ZeRO 0 and 1) against a plain torch step.
+"""The DeepSpeed consumer loop (world size 1, ZeRO 0, 1 and 2) against a plain torch step.
 
-The micro-batch items here are plain objects with the subscription's shape (``data``, ``index``,
-``is_boundary``, ``ack``); the store's own subscription is exercised in the store's tests.
+DeepSpeed picks its accelerator itself: the CPU one (gloo) on a machine without a GPU, CUDA (NCCL)
+where torch sees one, so on a GPU machine every test here trains on the GPU; the references are
+computed on the same device. The micro-batch items in most tests are plain objects with the
+subscription's shape (``data``, ``index``, ``is_boundary``, ``ack``); the last tests take them from
+the store's subscriptions, embedded and through the Flight server.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import socket
@@ -33,6 +37,19 @@ from producers.rollout.weights import load_state_dict  # noqa: E402
 pytestmark = pytest.mark.skipif(deepspeed is None, reason=_DS_REASON)
 
 
+def ds_device() -> str:
+    """Where DeepSpeed puts the engine's model: ``cpu`` or ``cuda``."""
+    from deepspeed.accelerator import get_accelerator
+
+    return "cpu" if get_accelerator().device_name() == "cpu" else "cuda"
+
+
+def tolerances() -> dict[str, float]:
+    # A GPU sums a micro-batch's gradient in another order than the full batch's: float32
+    # rounding of a few ulps, amplified by the steps (still far below the 1e-2 they move).
+    return {"rtol": 1e-5, "atol": 1e-6} if ds_device() == "cpu" else {"rtol": 1e-4, "atol": 1e-5}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def single_process_group() -> Iterator[None]:
     """DeepSpeed needs a torch.distributed group; without these variables it tries MPI and fails."""
@@ -59,7 +76,7 @@ class Item:
     is_boundary: bool
     log: list[str] = field(default_factory=list)
 
-    def ack(self) -> None:
+    def ack(self, wait: bool = True) -> None:
         self.log.append(f"ack {self.data.column('sample_id')[0].as_py()}")
 
 
@@ -104,10 +121,11 @@ def optimizer(params: Iterator[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def reference_params(model: TinyCausalLM, batches: list[pa.Table], clip: float) -> list[torch.Tensor]:
+    model = model.to(ds_device())
     opt = optimizer(model.parameters())
     for t in batches:
         opt.zero_grad()
-        loss_sum, n = grpo_loss(model, collate(t))
+        loss_sum, n = grpo_loss(model, collate(t).to(ds_device()))
         (loss_sum / n).backward()
         if clip:
             # the norm of the *global* gradient is clipped, so the accumulated gradient must be complete first
@@ -142,13 +160,14 @@ def test_loop_matches_full_batch_torch_steps(tmp_path, zero_stage: int, managed:
     assert [r.step for r in reports] == [1, 2] and [r.version for r in reports] == [1, 2]
     assert [r.micro_batches for r in reports] == [2, 3]
     assert reports[0].count == collate(batches[0]).num_loss_tokens
+    assert next(engine.module.parameters()).device.type == ds_device()
     for p, e in zip(engine.module.parameters(), expected):
-        torch.testing.assert_close(p.detach(), e, rtol=1e-5, atol=1e-6)
-    moved = max(float((p.detach() - p0).abs().max()) for p, p0 in zip(engine.module.parameters(), initial))
+        torch.testing.assert_close(p.detach(), e, **tolerances())
+    moved = max(float((p.detach().cpu() - p0).abs().max()) for p, p0 in zip(engine.module.parameters(), initial))
     assert moved > 1e-2  # the steps happened, and are far larger than the tolerance
     published = load_state_dict(reports[-1].weights_uri)
     for k, v in engine.module.state_dict().items():
-        torch.testing.assert_close(published[k], v)
+        torch.testing.assert_close(published[k], v.cpu())
     # every micro-batch acked right after its backward, each bump names the file just published
     assert [line.split()[0] for line in log] == ["ack", "ack", "bump", "ack", "ack", "ack", "bump"]
     assert log[2] == f"bump {reports[0].weights_uri}"
@@ -178,18 +197,26 @@ def test_config_rejects_indivisible_batch_sizes() -> None:
         deepspeed_config(micro_batch_size=3, global_batch_size=8)
 
 
-def test_loop_on_a_real_embedded_store_subscription(tmp_path) -> None:
+@pytest.mark.parametrize("via", ["embedded", "flight"])
+def test_loop_on_a_real_store_subscription(tmp_path, via: str) -> None:
     """End to end with the store: claims become micro-batches, the boundary bumps the table's version."""
     store = pytest.importorskip("store", reason="the store package is not importable")
     from consumers.deepspeed_loop import DeepSpeedTrainLoop, deepspeed_config
+    from flight_fixtures import running_server
+    from flight_server.client import RemoteStore
 
-    s = store.connect(str(tmp_path / "x.duckdb"))
-    try:
+    with contextlib.ExitStack() as stack:
+        if via == "embedded":
+            s = stack.enter_context(store.connect(str(tmp_path / "x.duckdb")))
+        else:
+            server = stack.enter_context(running_server(tmp_path / "x.duckdb"))
+            s = stack.enter_context(RemoteStore(server.location))
         s.create_table("solver", {"token_ids": "list<int32>", "logprobs": "list<float32>", "prompt_len": "int32",
                                   "reward": "float64", "advantage": "float32"})
         t = make_global_batch(5).drop_columns(["input_id"])
         s.put("solver", t)
-        sub = s.subscribe("solver", micro_batch_size=4, global_batch_size=8, idle_timeout=5)
+        sub = stack.enter_context(contextlib.closing(
+            s.subscribe("solver", micro_batch_size=4, global_batch_size=8, idle_timeout=5)))
         model = build_tiny_lm(seed=8)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model.parameters()),
                                           config=deepspeed_config(micro_batch_size=4, global_batch_size=8))
@@ -198,5 +225,4 @@ def test_loop_on_a_real_embedded_store_subscription(tmp_path) -> None:
         assert len(reports) == 1 and reports[0].version == 1 == s.get_version("solver")
         assert reports[0].micro_batches == 2 and reports[0].count == collate(t).num_loss_tokens
         assert load_state_dict(reports[0].weights_uri).keys() == engine.module.state_dict().keys()
-    finally:
-        s.close()
+        assert s.stats("solver")["solver"]["consumed"] == 8
