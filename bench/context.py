@@ -73,7 +73,7 @@ def fmt(value: float | None, unit: str) -> str:
     """A figure with its unit, in a width that lines up in tables."""
     if value is None:
         return "—"
-    if unit in ("rows/s", "calls/s", "puts/s", "samples/s", "claims/s"):
+    if unit in ("rows/s", "calls/s", "puts/s", "samples/s", "claims/s", "tokens/s"):
         if value >= 1e6:
             return f"{value / 1e6:.2f} M {unit}"
         if value >= 1e3:
