@@ -173,6 +173,47 @@ def test_loop_matches_full_batch_torch_steps(tmp_path, zero_stage: int, managed:
     assert log[2] == f"bump {reports[0].weights_uri}"
 
 
+def sample_mean_loss(model: torch.nn.Module, b: TorchBatch) -> tuple[torch.Tensor, int]:
+    """A policy-gradient surrogate averaged per sample: its global denominator (8 samples) is known."""
+    from consumers.accumulation import reduce_loss
+
+    lp = token_logprobs(model(b.input_ids, b.position_ids), b.input_ids)
+    per_token = -(lp - b.old_logprobs).exp() * b.per_token(b.advantages)  # type: ignore[operator, arg-type]
+    return reduce_loss(per_token, b.loss_mask, b.segment_ids, b.num_samples, level="sample")
+
+
+def test_zero_stage_2_with_a_known_denominator_matches_full_batch_steps(tmp_path) -> None:
+    """ZeRO 2 reduces gradients at every micro-step, out of .grad: the loop then needs the global
+    count up front (here 8 samples per global batch, a sample-mean loss)."""
+    from consumers.deepspeed_loop import DeepSpeedTrainLoop, deepspeed_config
+
+    batches = [make_global_batch(1), make_global_batch(2)]
+    model = build_tiny_lm(seed=5)
+    initial = [p.detach().clone() for p in model.parameters()]
+    reference = copy.deepcopy(model).to(ds_device())
+    opt = optimizer(reference.parameters())
+    for t in batches:
+        opt.zero_grad()
+        loss_sum, n = sample_mean_loss(reference, collate(t).to(ds_device()))
+        (loss_sum / n).backward()
+        opt.step()
+
+    cfg = deepspeed_config(micro_batch_size=4, global_batch_size=8, zero_stage=2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model.parameters()), config=cfg)
+    loop = DeepSpeedTrainLoop(engine, sample_mean_loss, tmp_path / "weights", global_count=8)
+    reports = list(loop.run(items(batches, []), lambda *, weights_uri: None))
+
+    assert [(r.step, r.micro_batches, r.count) for r in reports] == [(1, 2, 8), (2, 3, 8)]
+    for p, e in zip(engine.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), e.detach(), **tolerances())
+    moved = max(float((p.detach().cpu() - p0).abs().max()) for p, p0 in zip(engine.module.parameters(), initial))
+    assert moved > 1e-2
+    # without the count the loop would rescale gradients that ZeRO 2 no longer keeps: refused
+    deferred = DeepSpeedTrainLoop(engine, sample_mean_loss, tmp_path / "weights")
+    with pytest.raises(RuntimeError, match="pass global_count"):
+        list(deferred.run(items(batches, []), lambda *, weights_uri: None))
+
+
 def test_ack_at_step_defers_acks_and_max_steps_stops(tmp_path) -> None:
     from consumers.deepspeed_loop import DeepSpeedTrainLoop, deepspeed_config
 
