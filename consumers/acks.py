@@ -10,10 +10,19 @@ another consumer) stops the step instead of passing unnoticed.
 """
 from __future__ import annotations
 
+import inspect
 from concurrent.futures import Future
 from typing import Any
 
 __all__ = ["PendingAcks"]
+
+
+def _takes_wait(ack: Any) -> bool:
+    try:
+        params = inspect.signature(ack).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return "wait" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class PendingAcks:
@@ -24,8 +33,13 @@ class PendingAcks:
         self._futures: list[Future] = []
 
     def send(self, mb: Any) -> None:
-        """Ack ``mb`` (a :class:`store.subscription.MicroBatch` or one of its kind) without waiting."""
-        answer = mb.ack(wait=False)
+        """Ack ``mb`` without waiting where it can (a :class:`store.subscription.MicroBatch`
+        can); a micro-batch of the caller's own whose ``ack()`` takes no ``wait`` is acked as it
+        acks, before this returns."""
+        if _takes_wait(mb.ack):
+            answer = mb.ack(wait=False)
+        else:
+            answer = mb.ack()
         if isinstance(answer, Future):
             self._futures.append(answer)
 

@@ -106,7 +106,15 @@ def test_pending_acks_raise_the_first_error_and_forget_settled_ones() -> None:
                 self.future.set_exception(self.error)
             return self.future
 
+    class OwnMicroBatch:  # a caller's own micro-batch type, from before acks could be sent
+        acked = 0
+
+        def ack(self) -> None:
+            OwnMicroBatch.acked += 1
+
     acks = PendingAcks()
+    acks.send(OwnMicroBatch())
+    assert OwnMicroBatch.acked == 1 and len(acks) == 0  # acked as it acks, nothing to wait for
     acks.send(Answer(None))
     acks.send(Answer(LeaseExpired("claim c1 ended")))
     assert len(acks) == 2
