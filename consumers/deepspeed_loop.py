@@ -14,10 +14,11 @@ explicitly with ``engine.set_gradient_accumulation_boundary``.
 
 Acks: by default a micro-batch is acked right after its backward (its gradient is in the
 accumulation cache, the paper's model), without waiting for the answer; the loop waits for all of
-them before it bumps the version (:class:`consumers.acks.PendingAcks`). ``ack_at_step=True`` acks the whole global batch only after
-the optimizer step, so a trainer crash mid-batch re-delivers those samples, at the price of holding
-more leases: the subscription's ``max_in_flight`` must be at least the number of micro-batches per
-global batch, and its lease longer than one global batch takes.
+them before it bumps the version (:class:`consumers.acks.PendingAcks`). ``ack_at_step=True`` acks
+the whole global batch only after the optimizer step, so a trainer crash mid-batch re-delivers
+those samples, at the price of holding more leases: the subscription's ``max_in_flight`` must be
+at least the number of micro-batches per global batch, and its lease longer than one global batch
+takes.
 
 Example (assuming ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` are set)::
 
