@@ -9,6 +9,7 @@ pytest.importorskip("torch", reason="torch is not installed (pip install torch==
 
 import store  # noqa: E402
 from consumers import demo  # noqa: E402
+from devices import CUDA  # noqa: E402
 
 AGENTS = ("planner", "solver", "verifier")
 PER_QUERY = {"planner": 2, "solver": 4, "verifier": 8}  # n = 2
@@ -81,14 +82,10 @@ def test_bad_arguments_are_refused(capsys) -> None:
         assert f"--device {device!r}" in err and says in err, err
 
 
-@pytest.mark.gpu
-def test_quick_demo_on_cuda(tmp_path) -> None:
+@pytest.mark.parametrize("device", [CUDA])
+def test_quick_demo_on_cuda(tmp_path, device: str) -> None:
     """The whole pipeline with every model rolling out and training on the GPU."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip(f"torch {torch.__version__} sees no CUDA device")
-    summary = demo.run_demo(str(tmp_path / "gpu.duckdb"), config=demo.QUICK, device="cuda")
+    summary = demo.run_demo(str(tmp_path / "gpu.duckdb"), config=demo.QUICK, device=device)
     check_quick_summary(summary, run=1)
     assert summary["device"] == "cuda"
 
