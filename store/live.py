@@ -146,6 +146,12 @@ class _Group:
         self.lazy_index = 0
         self.lazy_more: list[tuple[RowBlock, int]] | None = None
 
+    def ready_map(self) -> dict[Key, Row]:
+        """``ready``, made on first use."""
+        if self.ready is None:
+            self.ready = {}
+        return self.ready
+
 
 class LiveTable:
     """Live rows of one experience table."""
@@ -195,10 +201,7 @@ class LiveTable:
         group = self._groups.get(gk)
         if group is None:
             group = self._groups[gk] = _Group(gk)
-        ready = group.ready
-        if ready is None:
-            ready = group.ready = {}
-        ready[(row.sample_id, row.version)] = row
+        group.ready_map()[(row.sample_id, row.version)] = row
         self.ready_count += 1
         if not group.in_heap:
             heapq.heappush(self._heap, gk)
@@ -212,10 +215,7 @@ class LiveTable:
         if group is None:
             group = self._groups[gk] = _Group(gk)
         row.state = READY
-        ready = group.ready
-        if ready is None:
-            ready = group.ready = {}
-        ready[key] = row
+        group.ready_map()[key] = row
         self.ready_count += 1
         if not group.in_heap:
             heapq.heappush(self._heap, gk)
@@ -261,9 +261,7 @@ class LiveTable:
         lazy = [(group.lazy, group.lazy_index)] + (group.lazy_more or [])
         group.lazy = group.lazy_more = None
         rows = self.rows
-        ready = group.ready
-        if ready is None:
-            ready = group.ready = {}
+        ready = group.ready_map()
         for block, g in lazy:
             keys, payload = block.keys, block.payload
             at = block.order[block.starts[g]:block.starts[g + 1]]
