@@ -42,6 +42,18 @@ def label_of(size: int) -> str:
     return f"{size:.0e}".replace("+0", "")
 
 
+def _record_percentiles(ctx: Ctx, name: str, samples: list[float], what: str,
+                        size: int) -> tuple[float, float]:
+    """Record ``samples``' p50 and p99 (ms) as ``<name>_p50_ms_<size>`` / ``…_p99_…``; ``what``
+    names them, ``{q}`` standing for the percentile."""
+    p50, p99 = percentiles_ms(samples)
+    label = label_of(size)
+    for q, value in (("p50", p50), ("p99", p99)):
+        ctx.record(f"{name}_{q}_ms_{label}", value, "ms",
+                   f"{what.format(q=q)} at {size:,} rows")
+    return p50, p99
+
+
 def run(ctx: Ctx) -> None:
     import store
 
@@ -85,30 +97,18 @@ def run(ctx: Ctx) -> None:
 
             claims, _, _ = claim_latencies(s, table, ctx.pick(200, 500), 16, group=False,
                                            budget_s=budget)
-            c50, c99 = percentiles_ms(claims)
-            ctx.record(f"claim16_p50_ms_{label}", c50, "ms", f"claim 16 p50 at {size:,} rows")
-            ctx.record(f"claim16_p99_ms_{label}", c99, "ms", f"claim 16 p99 at {size:,} rows")
-
+            c50, c99 = _record_percentiles(ctx, "claim16", claims, "claim 16 {q}", size)
             filtered, _, _ = claim_latencies(s, table, ctx.pick(100, 200), 16, group=False,
                                              budget_s=budget / 2, where=HALF)
-            f50, f99 = percentiles_ms(filtered)
-            ctx.record(f"claim16_where_p50_ms_{label}", f50, "ms",
-                       f"claim 16 with a predicate (half the rows match) p50 at {size:,} rows")
-            ctx.record(f"claim16_where_p99_ms_{label}", f99, "ms",
-                       f"claim 16 with a predicate (half the rows match) p99 at {size:,} rows")
-
+            f50, f99 = _record_percentiles(
+                ctx, "claim16_where", filtered,
+                "claim 16 with a predicate (half the rows match) {q}", size)
             puts = run_for(put_op[0], budget, ctx.pick(200, 500))
-            p50, p99 = percentiles_ms(puts)
-            ctx.record(f"put1_p50_ms_{label}", p50, "ms", f"one-sample put p50 at {size:,} rows")
-            ctx.record(f"put1_p99_ms_{label}", p99, "ms", f"one-sample put p99 at {size:,} rows")
-
+            p50, p99 = _record_percentiles(ctx, "put1", puts, "one-sample put {q}", size)
             delivered = put_to_delivery(s, sub_store, probe_t, ctx.pick(200, 500), budget,
                                         start=len(points) * 10**6)
-            d50, d99 = percentiles_ms(delivered)
-            ctx.record(f"deliver_p50_ms_{label}", d50, "ms",
-                       f"put → delivered p50 (second table) at {size:,} rows")
-            ctx.record(f"deliver_p99_ms_{label}", d99, "ms",
-                       f"put → delivered p99 (second table) at {size:,} rows")
+            d50, d99 = _record_percentiles(ctx, "deliver", delivered,
+                                           "put → delivered {q} (second table)", size)
 
             rss = expstore_server.rss_mb()
             if rss is not None:
