@@ -98,7 +98,7 @@ def check_alive() -> None:
 def rss_mb() -> float | None:
     """Resident memory of the server this run started (None for ``--store-uri``)."""
     pid = _server.get("pid")
-    return None if pid is None else tree_rss_mb(int(pid))  # type: ignore[arg-type]
+    return tree_rss_mb(pid) if isinstance(pid, int) else None
 
 
 def table_name(prefix: str) -> str:

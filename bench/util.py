@@ -61,7 +61,7 @@ def run_for(fn: Callable[[], Any], budget_s: float, max_n: int, warmup: int = 5,
     return out
 
 
-def median_rate(amount: float, run: Callable[[], None], repeats: int) -> float:
+def median_rate(amount: float, run: Callable[[], object], repeats: int) -> float:
     """Median of ``amount / seconds`` over ``repeats`` timed runs of ``run``."""
     rates = []
     for _ in range(repeats):
