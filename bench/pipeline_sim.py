@@ -7,8 +7,10 @@ on-policy: rollouts of version v+1 start only after the bump that ends global ba
 
 Time is scaled down 100x (the 170 s straggler becomes 1.7 s). Per global batch, 64 rollouts start
 together and finish after long-tailed latencies; each finished sample is put through the
-transport by one of 16 concurrent rollout workers (each with its own connection). Training a
-micro-batch of 8 is a fixed sleep (the same per-sample cost as 0.5 s per 16). Modes:
+transport by one of 16 concurrent rollout workers (each with its own connection, opened, with
+one put into a table of its own, before the clock starts, as a long-running rollout worker's
+would be). Training a micro-batch of 8 is a fixed sleep (the same per-sample cost as 0.5 s per
+16). Modes:
 
 * ``sync``: the trainer waits until all 64 samples have arrived, then trains 8 micro-batches.
 * ``micro``: the trainer trains each micro-batch of 8 as soon as it has arrived.
@@ -17,8 +19,8 @@ Both run on the ``ideal`` transport (an in-memory queue) and, when a server is a
 ``expstore``. A note on the bound: with m micro-batches per global batch, no overlap across
 global batches (on-policy), rollout time L and micro-batch time T, the best case is
 (L + mT) / (L + T) at L = (m - 1)T: 1.75x for m = 4 (micro 16), 1.875x for m = 8 (micro 8). The
-issue's 1.8x target needs m ≥ 5, hence micro-batches of 8 here (``--sim-micro`` is not needed:
-change ``SimConfig``).
+issue's 1.8x target needs m ≥ 5, hence micro-batches of 8 here (other sizes: change
+``SimConfig``; the command line has no option for them).
 """
 
 from __future__ import annotations
