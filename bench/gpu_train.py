@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -51,12 +53,20 @@ COLUMNS = {**WIDE_COLUMNS, "prompt_len": "int32", "reward": "float64"}
 
 
 def _require() -> tuple[Any, Any]:
-    try:
-        import torch
-    except ImportError as e:
-        raise Skip(f"torch is not installed ({e})") from e
-    if not torch.cuda.is_available():
-        raise Skip(f"needs a CUDA device; torch {torch.__version__} sees none")
+    # Asked in a child process: torch imported into this one, after the store has created a
+    # catalog (DuckDB under SQLAlchemy), makes the interpreter's exit print nanobind's leak
+    # report for DuckDB's objects, a harmless teardown-order effect that reads like a bug.
+    probe = subprocess.run(
+        [sys.executable, "-c",
+         "import torch; print(torch.__version__, int(torch.cuda.is_available()))"],
+        capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise Skip(f"torch is not importable ({last})")
+    version, cuda = probe.stdout.split()[-2:]
+    if cuda != "1":
+        raise Skip(f"needs a CUDA device; torch {version} sees none")
+    import torch
     try:
         import deepspeed
     except Exception as e:  # noqa: BLE001 - its import fails in many ways (no compiler, no ops)
