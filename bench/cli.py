@@ -132,9 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             # What the run so far left behind (imported libraries, Ray's client runtime: ~150 k
             # objects, a full collection of ~75 ms here) is moved out of the collector's sight,
             # so that no benchmark pays for its predecessors' heaps: otherwise a full collection
-            # lands inside one of its timings at random (a 100 ms stall in the pipeline
-            # simulation, once). A long-running trainer or rollout process does the same after
-            # start-up (``gc.freeze()``); each benchmark's own garbage is collected as usual.
+            # lands inside one of its timings at random (the likely cause of a 101 ms stall in
+            # the pipeline simulation). A long-running trainer or rollout process does the same
+            # after start-up (``gc.freeze()``); each benchmark's own garbage is collected as usual.
             gc.collect()
             gc.freeze()
             t0 = time.perf_counter()
