@@ -33,6 +33,7 @@ from store.errors import ExpstoreError
 
 from . import __version__
 from .output import MAX_CELL, echo_json, format_pairs, format_table, raw_cell
+from .serve import SHUTDOWN_GRACE_SECONDS
 
 DEFAULT_DB = "./expstore.duckdb"
 DEFAULT_PORT = 8815
@@ -190,15 +191,19 @@ def cli() -> None:
                    "warning).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True, help="Log level of the server's stderr log.")
+@click.option("--shutdown-grace", metavar="SECONDS", type=click.FloatRange(min=0),
+              default=SHUTDOWN_GRACE_SECONDS, show_default=True,
+              help="On SIGINT/SIGTERM, wait this long for open calls to end (a second signal "
+                   "stops waiting); then close the store and exit without them.")
 def serve(db: str, host: str, port: int, tokens_file: str | None, tls_cert: str | None,
           tls_key: str | None, memory_limit: str | None, metrics_port: int | None,
-          log_level: str) -> None:
+          log_level: str, shutdown_grace: float) -> None:
     """Serve a store over Arrow Flight until SIGINT/SIGTERM.
 
     Prints one line, "expstore serving grpc://HOST:PORT (db PATH)", once it accepts calls. On
-    SIGINT or SIGTERM it stops accepting, finishes running calls, closes the store (which
-    checkpoints) and exits 0. While it runs, it owns the database file: other commands reach
-    the store with --uri.
+    SIGINT or SIGTERM it stops accepting, finishes running calls (for up to --shutdown-grace
+    seconds, or until a second signal), closes the store (which checkpoints) and exits 0. While
+    it runs, it owns the database file: other commands reach the store with --uri.
 
     \b
     Example:
@@ -215,7 +220,8 @@ def serve(db: str, host: str, port: int, tokens_file: str | None, tls_cert: str 
         raise click.UsageError("TLS needs both --tls-cert and --tls-key")
     run_server(db, host=host, port=port, tokens_file=tokens_file, tls_cert=tls_cert,
                tls_key=tls_key, memory_limit=memory_limit, metrics_port=metrics_port,
-               warn=lambda message: click.echo(message, err=True))
+               warn=lambda message: click.echo(message, err=True),
+               shutdown_grace=shutdown_grace)
 
 
 @cli.command()

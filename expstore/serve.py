@@ -5,20 +5,31 @@ Shutdown order on a signal: ask open sessions and subscriptions to end, stop acc
 running calls finish (``shutdown``, from a helper thread: the signal handler runs on the main
 thread, and shutting down from there would wait on itself), then close the store, which drains
 the writer and checkpoints the WAL.
+
+A call that does not end holds that shutdown up: gRPC waits for every open call, and an action
+session ends only when its client ends its side (a client that is frozen, or that does not
+follow the protocol's "closing" message, never does). So the wait is bounded: after
+``shutdown_grace`` seconds, or at a second signal, the store is closed anyway (everything
+acknowledged is durable by then) and the process exits without waiting for those calls.
 """
 from __future__ import annotations
 
 import gc
 import importlib.util
 import logging
+import os
 import signal
 import sys
 import threading
-from typing import Any, Callable, TextIO
+import time
+from typing import Any, Callable, NoReturn, TextIO
 
 log = logging.getLogger("expstore.serve")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# How long a signal's shutdown waits for open calls before the store is closed without them.
+# Below the 30 s that process supervisors (Kubernetes, systemd) commonly allow before SIGKILL.
+SHUTDOWN_GRACE_SECONDS = 10.0
 
 
 def metrics_available() -> bool:
@@ -50,8 +61,12 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
                tokens_file: str | None = None, tls_cert: str | None = None,
                tls_key: str | None = None, memory_limit: str | None = None,
                metrics_port: int | None = None, out: TextIO | None = None,
-               warn: Callable[[str], Any] | None = None) -> int:
+               warn: Callable[[str], Any] | None = None,
+               shutdown_grace: float = SHUTDOWN_GRACE_SECONDS) -> int:
     """Serve ``db`` until SIGINT or SIGTERM; print one ready line to ``out``; return 0.
+
+    A signal's shutdown waits up to ``shutdown_grace`` seconds for open calls (or until a second
+    signal); then the store is closed and the process exits 0 without them.
 
     Raises:
         ExpstoreError: the store cannot be opened (e.g. the file is locked by another process).
@@ -88,7 +103,8 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
             # our shutdown sends first). So the main thread stays in Python, where the handler
             # runs, until the shutdown a signal started has finished.
             while not stopper.finished(0.5):
-                pass
+                if stopper.overdue(shutdown_grace):
+                    _stop_now(server, stopper)
         else:
             server.serve()
         stopper.join()
@@ -101,12 +117,43 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
     return 0
 
 
+def _stop_now(server: Any, stopper: "_Stopper") -> NoReturn:
+    """Close the store without waiting for the calls still open, and exit the process.
+
+    Only a process exit ends those calls: gRPC's shutdown, blocked in another thread, has no
+    deadline in pyarrow, and the interpreter's own exit would wait on it.
+    """
+    why = "a second signal" if stopper.repeated else \
+        f"{time.monotonic() - stopper.since:.0f} s" if stopper.since else "?"
+    log.warning("stopping without waiting for the calls still open (after %s; among them %d "
+                "action session(s) whose client did not end its stream when told to); closing "
+                "the store", why, server.open_sessions())
+    code = 0
+    try:
+        server.close_store()
+        log.info("server on %s stopped by %s; store closed", server.location,
+                 signal.Signals(stopper.signum).name if stopper.signum else "a signal")
+    except BaseException:  # noqa: BLE001 - logged; the process exits either way
+        log.exception("closing the store failed")
+        code = 1
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
 class _Stopper:
     """Signal handler that shuts the server down once, from a helper thread."""
 
     def __init__(self, server: Any) -> None:
         self.server = server
         self.signum: int | None = None
+        self.since: float | None = None  # monotonic time of the first signal
+        self.repeated = False  # a second signal came: stop without waiting any longer
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -114,8 +161,10 @@ class _Stopper:
     def on_signal(self, signum: int, frame: object) -> None:
         with self._lock:
             if self._thread is not None:
+                self.repeated = True
                 return
             self.signum = signum
+            self.since = time.monotonic()
             self._thread = threading.Thread(target=self._shutdown, name="expstore-shutdown",
                                             daemon=True)
             self._thread.start()
@@ -125,6 +174,11 @@ class _Stopper:
             self.server.shutdown()
         finally:
             self._done.set()
+
+    def overdue(self, grace: float) -> bool:
+        """Whether the shutdown should stop waiting for open calls."""
+        return self.repeated or (self.since is not None
+                                 and time.monotonic() - self.since >= grace)
 
     def finished(self, timeout: float) -> bool:
         """Whether a signal's shutdown has finished (waits up to ``timeout`` seconds)."""

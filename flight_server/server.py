@@ -322,6 +322,19 @@ class ExpstoreFlightServer(flight.FlightServerBase):
                 super().shutdown()
                 self._shut_down = True
 
+    def open_sessions(self) -> int:
+        """Action sessions open now (each holds a call until its client ends it)."""
+        with self._sessions_lock:
+            return len(self._sessions)
+
+    def close_store(self) -> None:
+        """Close the store (if this server opened it) and the metrics endpoint without waiting
+        for open calls: for a process that exits next because its shutdown is stuck on a call
+        that does not end (see expstore.serve). Calls still open then fail with StoreClosed."""
+        self.metrics.close()
+        if self._owns_store:
+            self.store.close()
+
     def close(self) -> None:
         """Stop serving and close the store (if this server opened it)."""
         try:

@@ -200,6 +200,78 @@ def test_server_stops_on_a_signal_while_a_client_holds_a_session_open(start_serv
             {"a": 1, "consumed": True}, {"a": 2, "consumed": True}, {"a": 3, "consumed": False}]
 
 
+def _deaf_session(uri: str) -> tuple:
+    """A session opened with plain pyarrow that puts one row, then neither reads its answers
+    nor ends its stream: a frozen client, or one that ignores the "closing" message."""
+    import pyarrow as pa
+    import pyarrow.flight as flight
+
+    client = flight.FlightClient(uri)
+    writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(b'{"session": {}}'))
+    writer.begin(pa.schema([]))
+    rows = pa.table({"sample_id": ["deaf_0_0"], "a": pa.array([7], pa.int64())})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, rows.schema) as w:
+        w.write_table(rows)
+    ipc = sink.getvalue().to_pybytes()
+    header = json.dumps({"id": 1, "action": "put", "body": {"table": "t"}, "sizes": [len(ipc)]})
+    writer.write_metadata(header.encode() + b"\n" + ipc)
+    return client, writer, reader
+
+
+def _wait_for_rows(uri: str, n: int) -> None:
+    with store.connect(uri) as s:
+        deadline = time.monotonic() + 30
+        while s.query("SELECT count(*) AS n FROM t").to_pylist()[0]["n"] < n:
+            assert time.monotonic() < deadline, "the deaf client's put never arrived"
+            time.sleep(0.05)
+
+
+def test_a_client_that_never_ends_its_session_holds_the_shutdown_only_for_the_grace(
+        start_server, tmp_path):
+    """gRPC waits for every open call, and a session ends only when its client ends it: a
+    client that does not would hold the server up for ever. After --shutdown-grace the store
+    is closed without it, and every row it was told was durable is in the file."""
+    db = tmp_path / "g.duckdb"
+    server = start_server("-m", "flight_server", "--db", str(db), "--port", "0",
+                          "--shutdown-grace", "1")
+    uri = server.wait_ready().split()[2]
+    with store.connect(uri) as s:
+        s.create_table("t", {"a": "int64"})
+        s.put("t", {"sample_id": ["q1_0_0", "q2_0_0"], "a": [1, 2]})
+    deaf = _deaf_session(uri)
+    _wait_for_rows(uri, 3)
+    started = time.monotonic()
+    assert server.stop(signal.SIGTERM) == 0
+    assert time.monotonic() - started < 20
+    stderr = server.stderr_path.read_text()
+    assert "stopping without waiting for the calls still open (after 1 s; among them 1 action " \
+           "session(s)" in stderr, stderr
+    assert "Traceback" not in stderr
+    del deaf
+    with store.connect(str(db)) as e:
+        assert e.query("SELECT a FROM t ORDER BY a").to_pylist() == [{"a": 1}, {"a": 2}, {"a": 7}]
+
+
+def test_a_second_signal_stops_without_waiting_for_the_grace(start_server, tmp_path):
+    db = tmp_path / "h.duckdb"
+    server = start_server("-m", "expstore.cli", "serve", "--db", str(db), "--port", "0")
+    uri = server.wait_ready().split()[2]
+    with store.connect(uri) as s:
+        s.create_table("t", {"a": "int64"})
+    deaf = _deaf_session(uri)
+    _wait_for_rows(uri, 1)
+    started = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert server.stop(signal.SIGINT) == 0
+    assert time.monotonic() - started < 8  # the default grace is 10 s
+    assert "after a second signal" in server.stderr_path.read_text()
+    del deaf
+    with store.connect(str(db)) as e:
+        assert e.query("SELECT a FROM t").to_pylist() == [{"a": 7}]
+
+
 @pytest.mark.slow
 def test_server_survives_many_stops_with_a_session_open(start_server, tmp_path):
     """Crash loop: stopping with a session open once crashed the process now and then ("double
