@@ -104,7 +104,7 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
             # runs, until the shutdown a signal started has finished.
             while not stopper.finished(0.5):
                 if stopper.overdue(shutdown_grace):
-                    _stop_now(server, stopper)
+                    _stop_now(server, stopper, shutdown_grace)
         else:
             server.serve()
         stopper.join()
@@ -117,14 +117,13 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
     return 0
 
 
-def _stop_now(server: Any, stopper: "_Stopper") -> NoReturn:
+def _stop_now(server: Any, stopper: "_Stopper", grace: float) -> NoReturn:
     """Close the store without waiting for the calls still open, and exit the process.
 
     Only a process exit ends those calls: gRPC's shutdown, blocked in another thread, has no
     deadline in pyarrow, and the interpreter's own exit would wait on it.
     """
-    why = "a second signal" if stopper.repeated else \
-        f"{time.monotonic() - stopper.since:.0f} s" if stopper.since else "?"
+    why = "a second signal" if stopper.repeated else f"the {grace:g} s grace"
     log.warning("stopping without waiting for the calls still open (after %s; among them %d "
                 "action session(s) whose client did not end its stream when told to); closing "
                 "the store", why, server.open_sessions())

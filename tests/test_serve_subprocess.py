@@ -245,8 +245,8 @@ def test_a_client_that_never_ends_its_session_holds_the_shutdown_only_for_the_gr
     assert server.stop(signal.SIGTERM) == 0
     assert time.monotonic() - started < 20
     stderr = server.stderr_path.read_text()
-    assert "stopping without waiting for the calls still open (after 1 s; among them 1 action " \
-           "session(s)" in stderr, stderr
+    assert "stopping without waiting for the calls still open (after the 1 s grace; among them 1 " \
+           "action session(s)" in stderr, stderr
     assert "Traceback" not in stderr
     del deaf
     with store.connect(str(db)) as e:
