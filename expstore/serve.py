@@ -124,9 +124,10 @@ def _stop_now(server: Any, stopper: "_Stopper", grace: float) -> NoReturn:
     deadline in pyarrow, and the interpreter's own exit would wait on it.
     """
     why = "a second signal" if stopper.repeated else f"the {grace:g} s grace"
-    log.warning("stopping without waiting for the calls still open (after %s; among them %d "
-                "action session(s) whose client did not end its stream when told to); closing "
-                "the store", why, server.open_sessions())
+    sessions = server.open_sessions()
+    log.warning("stopping without waiting for the calls still open after %s%s; closing the store",
+                why, f" ({sessions} of them action sessions whose client did not end its stream "
+                     "when told to)" if sessions else "")
     code = 0
     try:
         server.close_store()

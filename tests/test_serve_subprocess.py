@@ -219,6 +219,18 @@ def _deaf_session(uri: str) -> tuple:
     return client, writer, reader
 
 
+def _deaf_subscriber(uri: str) -> tuple:
+    """A subscription opened with plain pyarrow whose micro-batches are never read and whose
+    stream is never ended (after the server's "closing" message either)."""
+    import pyarrow.flight as flight
+
+    client = flight.FlightClient(uri)
+    command = json.dumps({"subscribe": {"table": "t", "micro_batch_size": 1,
+                                        "global_batch_size": 2}})
+    writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(command.encode()))
+    return client, writer, reader
+
+
 def _wait_for_rows(uri: str, n: int) -> None:
     with store.connect(uri) as s:
         deadline = time.monotonic() + 30
@@ -227,11 +239,12 @@ def _wait_for_rows(uri: str, n: int) -> None:
             time.sleep(0.05)
 
 
-def test_a_client_that_never_ends_its_session_holds_the_shutdown_only_for_the_grace(
-        start_server, tmp_path):
-    """gRPC waits for every open call, and a session ends only when its client ends it: a
-    client that does not would hold the server up for ever. After --shutdown-grace the store
-    is closed without it, and every row it was told was durable is in the file."""
+@pytest.mark.parametrize("deaf_client", ["session", "subscriber"])
+def test_a_client_that_never_ends_its_stream_holds_the_shutdown_only_for_the_grace(
+        start_server, tmp_path, deaf_client):
+    """gRPC waits for every open call, and a session or subscription ends only when its client
+    ends it: a client that does not would hold the server up for ever. After --shutdown-grace
+    the store is closed without it, and every row the server acknowledged is in the file."""
     db = tmp_path / "g.duckdb"
     server = start_server("-m", "flight_server", "--db", str(db), "--port", "0",
                           "--shutdown-grace", "1")
@@ -239,18 +252,30 @@ def test_a_client_that_never_ends_its_session_holds_the_shutdown_only_for_the_gr
     with store.connect(uri) as s:
         s.create_table("t", {"a": "int64"})
         s.put("t", {"sample_id": ["q1_0_0", "q2_0_0"], "a": [1, 2]})
-    deaf = _deaf_session(uri)
-    _wait_for_rows(uri, 3)
+    if deaf_client == "session":
+        deaf = _deaf_session(uri)
+        _wait_for_rows(uri, 3)
+        expected = [1, 2, 7]
+        held_up = ("stopping without waiting for the calls still open after the 1 s grace (1 of "
+                   "them action sessions whose client did not end its stream when told to)")
+    else:
+        deaf = _deaf_subscriber(uri)
+        with store.connect(uri) as s:  # the subscription leased its first micro-batch
+            deadline = time.monotonic() + 30
+            while not s.leases("t"):
+                assert time.monotonic() < deadline, "the subscription never got a micro-batch"
+                time.sleep(0.05)
+        expected = [1, 2]
+        held_up = "stopping without waiting for the calls still open after the 1 s grace;"
     started = time.monotonic()
     assert server.stop(signal.SIGTERM) == 0
     assert time.monotonic() - started < 20
     stderr = server.stderr_path.read_text()
-    assert "stopping without waiting for the calls still open (after the 1 s grace; among them 1 " \
-           "action session(s)" in stderr, stderr
+    assert held_up in stderr, stderr
     assert "Traceback" not in stderr
     del deaf
     with store.connect(str(db)) as e:
-        assert e.query("SELECT a FROM t ORDER BY a").to_pylist() == [{"a": 1}, {"a": 2}, {"a": 7}]
+        assert [r["a"] for r in e.query("SELECT a FROM t ORDER BY a").to_pylist()] == expected
 
 
 def test_a_second_signal_stops_without_waiting_for_the_grace(start_server, tmp_path):
