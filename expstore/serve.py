@@ -121,7 +121,7 @@ def _stop_now(server: Any, stopper: "_Stopper", grace: float) -> NoReturn:
     """Close the store without waiting for the calls still open, and exit the process.
 
     Only a process exit ends those calls: gRPC's shutdown, blocked in another thread, has no
-    deadline in pyarrow, and the interpreter's own exit would wait on it.
+    deadline in pyarrow and cannot be interrupted.
     """
     why = "a second signal" if stopper.repeated else f"the {grace:g} s grace"
     sessions = server.open_sessions()
