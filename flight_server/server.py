@@ -328,9 +328,10 @@ class ExpstoreFlightServer(flight.FlightServerBase):
             return len(self._sessions)
 
     def close_store(self) -> None:
-        """Close the store (if this server opened it) and the metrics endpoint without waiting
-        for open calls: for a process that exits next because its shutdown is stuck on a call
-        that does not end (see expstore.serve). Calls still open then fail with StoreClosed."""
+        """Close the store (if this server opened it) and the metrics endpoint. :meth:`close`
+        does this after the shutdown; called alone, it does not wait for open calls: for a
+        process that exits next because its shutdown is stuck on a call that does not end (see
+        expstore.serve). Calls still open then fail with StoreClosed."""
         self.metrics.close()
         if self._owns_store:
             self.store.close()
@@ -340,9 +341,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         try:
             self.shutdown()
         finally:
-            self.metrics.close()
-            if self._owns_store:
-                self.store.close()
+            self.close_store()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
