@@ -19,11 +19,16 @@ import time
 from pathlib import Path
 from typing import IO, Iterator
 
+import pyarrow as pa
+import pyarrow.flight as flight
 import pytest
 from click.testing import CliRunner
 
 import store
 from expstore.cli import cli
+from test_flight_session import RawSession
+from test_session_puts import ipc, send_put
+from waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT = 60.0
@@ -200,30 +205,18 @@ def test_server_stops_on_a_signal_while_a_client_holds_a_session_open(start_serv
             {"a": 1, "consumed": True}, {"a": 2, "consumed": True}, {"a": 3, "consumed": False}]
 
 
-def _deaf_session(uri: str) -> tuple:
+def _deaf_session(uri: str) -> RawSession:
     """A session opened with plain pyarrow that puts one row, then neither reads its answers
     nor ends its stream: a frozen client, or one that ignores the "closing" message."""
-    import pyarrow as pa
-    import pyarrow.flight as flight
-
-    client = flight.FlightClient(uri)
-    writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(b'{"session": {}}'))
-    writer.begin(pa.schema([]))
+    session = RawSession(flight.FlightClient(uri))
     rows = pa.table({"sample_id": ["deaf_0_0"], "a": pa.array([7], pa.int64())})
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, rows.schema) as w:
-        w.write_table(rows)
-    ipc = sink.getvalue().to_pybytes()
-    header = json.dumps({"id": 1, "action": "put", "body": {"table": "t"}, "sizes": [len(ipc)]})
-    writer.write_metadata(header.encode() + b"\n" + ipc)
-    return client, writer, reader
+    send_put(session, 1, {"table": "t"}, [ipc(rows)])
+    return session
 
 
 def _deaf_subscriber(uri: str) -> tuple:
     """A subscription opened with plain pyarrow whose micro-batches are never read and whose
     stream is never ended (after the server's "closing" message either)."""
-    import pyarrow.flight as flight
-
     client = flight.FlightClient(uri)
     command = json.dumps({"subscribe": {"table": "t", "micro_batch_size": 1,
                                         "global_batch_size": 2}})
@@ -233,10 +226,8 @@ def _deaf_subscriber(uri: str) -> tuple:
 
 def _wait_for_rows(uri: str, n: int) -> None:
     with store.connect(uri) as s:
-        deadline = time.monotonic() + 30
-        while s.query("SELECT count(*) AS n FROM t").to_pylist()[0]["n"] < n:
-            assert time.monotonic() < deadline, "the deaf client's put never arrived"
-            time.sleep(0.05)
+        wait_until(lambda: s.query("SELECT count(*) AS n FROM t").to_pylist()[0]["n"] >= n,
+                   30, "the deaf client's put arrived")
 
 
 @pytest.mark.parametrize("deaf_client", ["session", "subscriber"])
@@ -261,10 +252,7 @@ def test_a_client_that_never_ends_its_stream_holds_the_shutdown_only_for_the_gra
     else:
         deaf = _deaf_subscriber(uri)
         with store.connect(uri) as s:  # the subscription leased its first micro-batch
-            deadline = time.monotonic() + 30
-            while not s.leases("t"):
-                assert time.monotonic() < deadline, "the subscription never got a micro-batch"
-                time.sleep(0.05)
+            wait_until(lambda: s.leases("t"), 30, "the subscription got a micro-batch")
         expected = [1, 2]
         held_up = "stopping without waiting for the calls still open after the 1 s grace;"
     started = time.monotonic()
