@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterator
 import click
 import pyarrow as pa
 
-from store.errors import ExpstoreError
+from store.cache import DEFAULT_CACHE_LIMIT, parse_size
+from store.errors import ExpstoreError, InvalidArgument
 
 from . import __version__
 from .output import MAX_CELL, echo_json, format_pairs, format_table, raw_cell
@@ -173,6 +174,13 @@ def cli() -> None:
     """
 
 
+def _size_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    try:
+        return parse_size(value)
+    except InvalidArgument as e:
+        raise click.BadParameter(str(e)) from e
+
+
 # -- serve / migrate ------------------------------------------------------------------------------
 @cli.command()
 @db_option
@@ -185,6 +193,11 @@ def cli() -> None:
               help="PEM certificate; with --tls-key turns on TLS (grpc+tls://).")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="PEM private key.")
 @click.option("--memory-limit", metavar="SIZE", help="DuckDB memory limit, e.g. 4GB.")
+@click.option("--cache-limit", metavar="SIZE", default=DEFAULT_CACHE_LIMIT, show_default=True,
+              callback=_size_option,
+              help="Memory for ready rows' values kept so that claims need no DuckDB read, e.g. "
+                   "512MB. Rows put while it is full are claimed from DuckDB (0: all rows but "
+                   "those of the put log not yet applied to DuckDB).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="Serve Prometheus /metrics over HTTP on this port (0: a free one; needs the "
                    "flight_server.metrics module; without it the option is ignored with a "
@@ -196,8 +209,8 @@ def cli() -> None:
               help="On SIGINT/SIGTERM, wait this long for open calls to end (a second signal "
                    "stops waiting); then close the store and exit without them.")
 def serve(db: str, host: str, port: int, tokens_file: str | None, tls_cert: str | None,
-          tls_key: str | None, memory_limit: str | None, metrics_port: int | None,
-          log_level: str, shutdown_grace: float) -> None:
+          tls_key: str | None, memory_limit: str | None, cache_limit: int,
+          metrics_port: int | None, log_level: str, shutdown_grace: float) -> None:
     """Serve a store over Arrow Flight until SIGINT/SIGTERM.
 
     Prints one line, "expstore serving grpc://HOST:PORT (db PATH)", once it accepts calls. On
@@ -219,8 +232,8 @@ def serve(db: str, host: str, port: int, tokens_file: str | None, tls_cert: str 
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("TLS needs both --tls-cert and --tls-key")
     run_server(db, host=host, port=port, tokens_file=tokens_file, tls_cert=tls_cert,
-               tls_key=tls_key, memory_limit=memory_limit, metrics_port=metrics_port,
-               warn=lambda message: click.echo(message, err=True),
+               tls_key=tls_key, memory_limit=memory_limit, cache_limit=cache_limit,
+               metrics_port=metrics_port, warn=lambda message: click.echo(message, err=True),
                shutdown_grace=shutdown_grace)
 
 

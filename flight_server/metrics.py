@@ -51,6 +51,8 @@ class StoreCollector(Collector):
         yield from (version, ready, processing, pending)
         yield GaugeMetricFamily("expstore_writer_queue_depth", "operations waiting for the "
                                 "writer", value=s._writer.queue_depth)
+        yield GaugeMetricFamily("expstore_claim_cache_bytes", "bytes of ready rows' values held "
+                                "so that claims need no DuckDB read", value=s.cache.used)
 
 
 class Metrics:

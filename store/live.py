@@ -25,6 +25,9 @@ PENDING, READY, LEASED = "pending", "ready", "processing"
 Key = tuple[str, int]          # (sample_id, policy_version)
 GroupKey = tuple[int, str]     # (policy_version, input_id)
 
+#: A row's payload while a claim reads its values from DuckDB (EmbeddedStore._read_values).
+LOADING: tuple[Any, int] = (None, -1)
+
 #: Terminal rows a table remembers in memory at most; past it, the writer asks DuckDB instead.
 TERMINAL_INDEX_MAX = 1_000_000
 
@@ -47,7 +50,8 @@ class Row:
         self.state = PENDING
         self.lease: Lease | None = None
         self.deliveries = deliveries
-        # (table, index): the row's claimable values, cached so that claims need no DuckDB read.
+        # (table, index): the row's claimable values, cached so that claims need no DuckDB read;
+        # None: not cached (the claim cache was full, see store/cache.py), claims read DuckDB.
         self.payload: tuple[Any, int] | None = None
 
     @property
@@ -255,7 +259,8 @@ class LiveTable:
         return built
 
     def _materialise(self, group: _Group) -> None:
-        """Build the group's rows that are still in blocks: ready, with their payload cached."""
+        """Build the group's rows that are still in blocks: ready, with their block's cached
+        values (if it has them)."""
         if group.lazy is None:
             return
         lazy = [(group.lazy, group.lazy_index)] + (group.lazy_more or [])
@@ -272,7 +277,7 @@ class LiveTable:
                 key = keys[i]
                 row = Row(rid, key[0], key[1], input_id, turn, traj, mask)
                 row.state = READY
-                row.payload = (payload, i)
+                row.payload = None if payload is None else (payload, i)
                 rows[key] = row
                 ready[key] = row
             block.left -= len(at)
@@ -321,6 +326,19 @@ class LiveTable:
         row.state = PENDING
         row.lease = None
         self.rows.pop(row.key, None)
+
+    def evict(self, keys: list[Key], table: Any) -> None:
+        """Drop the cached values that ``keys``' ready rows hold in ``table`` (claims read
+        them from DuckDB then). Leased rows keep theirs: a claim may be reading them."""
+        rows_get = self.rows.get
+        for key in keys:
+            row = rows_get(key)
+            if isinstance(row, RowBlock):
+                if row.payload is table:
+                    row.payload = None
+            elif row is not None and row.state == READY and row.payload is not None \
+                    and row.payload[0] is table:
+                row.payload = None
 
     # -- terminal rows -----------------------------------------------------------------------------
     def remember_terminal(self, version: int, sample_id: str, row_id: int) -> None:

@@ -160,6 +160,9 @@ class _Txn:
         self.physical: dict[int, pa.Table] = {}
         # Set for a group going to the put log: the records of its changes.
         self.logged: list[Record] | None = None
+        # The cached values of a logged group's rows, which the claim cache may drop once
+        # DuckDB has them: (table, keys, values).
+        self.logged_values: list[tuple[LiveTable, list[tuple[str, int]], pa.Table]] = []
 
 
 class Writer:
@@ -172,6 +175,7 @@ class Writer:
         self._putlog = putlog
         # Changes durable in the put log, not yet in DuckDB, oldest first.
         self._logged: list[Record] = []
+        self._logged_values: list[tuple[LiveTable, list[tuple[str, int]], pa.Table]] = []
         self.logged_rows = 0
         self._logged_since: float | None = None
         # After a failed insert of logged rows (a full disk), wait this long before the next try.
@@ -432,8 +436,8 @@ class Writer:
         return out
 
     def _fill_payloads(self, txn: _Txn) -> None:
-        if not txn.need_payload:
-            return
+        if not txn.need_payload or self._store.cache.full:
+            return  # full: claims read these rows from DuckDB
         by_table: dict[int, tuple[LiveTable, list[Row]]] = {}
         for live, row in txn.need_payload:
             by_table.setdefault(id(live), (live, []))[1].append(row)
@@ -447,6 +451,19 @@ class Writer:
                 for row in rows:
                     if row.payload is None:
                         row.payload = loaded.get(row.row_id)
+
+    def _evict_logged_values(self) -> None:
+        """Drop the cached values of rows just applied from the put log, newest first, while the
+        claim cache is over its limit: DuckDB can serve them now."""
+        values, self._logged_values = self._logged_values, []
+        store = self._store
+        if not store.cache.full:
+            return
+        with store._lock:
+            while values and store.cache.full:
+                live, keys, table = values.pop()
+                live.evict(keys, table)
+                del table  # the last reference: the cache counts its bytes back now
 
     def _transaction(self, ops: list[Op]) -> tuple[list[Any], _Txn]:
         store = self._store
@@ -600,6 +617,7 @@ class Writer:
             return None
         self.commits += 1  # a group commit, to the log
         self._logged.extend(txn.logged)
+        self._logged_values.extend(txn.logged_values)
         self.logged_rows += sum(rows.num_rows for _, _, rows in txn.logged)
         if self._logged_since is None:
             self._logged_since = time.monotonic()
@@ -609,6 +627,7 @@ class Writer:
     def _logged_committed(self) -> None:
         """The logged rows are committed to DuckDB: forget them and cut the log back."""
         self._logged = []
+        self._evict_logged_values()
         self.logged_rows = 0
         self._logged_since = None
         self._retry_delay = MATERIALIZE_DELAY
@@ -789,7 +808,8 @@ class Writer:
                                           ).fetchall()
             _check_updated(updated, old_rows.num_rows, tname)
 
-        payload = None
+        payload = None  # the rows' claimable values, if this write holds them all
+        cached = None   # payload, if the claim cache keeps it (see store/cache.py)
         complete = np.zeros(len(keys), bool)
         if len(data_cols) == len(tdef.columns):
             # The write carries every data column: the row's claimable values are all here.
@@ -808,6 +828,12 @@ class Writer:
             # put, most of a one-row put's Python in the writer after its INSERT).
             schema = live.payload_schema
             payload = pa.Table.from_arrays([values[f.name] for f in schema], schema=schema)
+            if txn.logged is not None:  # DuckDB cannot serve these rows before the log is applied
+                store.cache.hold(payload)
+                txn.logged_values.append((live, keys, payload))
+                cached = payload
+            elif store.cache.admit(payload):
+                cached = payload
             # Per row: a null value leaves the stored one, which this batch does not hold, so
             # only rows that wrote every data column may take their values from it.
             complete = np.logical_and.reduce([
@@ -823,7 +849,7 @@ class Writer:
             codes, group_keys = _group_codes(physical)
             block = RowBlock(keys, row_ids, physical.column("turn").to_numpy(),
                              physical.column("trajectory_id").to_numpy(), set_mask, codes,
-                             payload, group_keys)
+                             cached, group_keys)
 
             def apply_block() -> None:
                 if store._live.get(tname) is not live:
@@ -865,15 +891,15 @@ class Writer:
                     mask = sets[i]
                     row = Row(rid, key[0], key[1], input_ids[i], turns[i], trajs[i], mask)
                     rows[key] = row
-                    if payload is not None and complete_list[i]:
-                        row.payload = (payload, i)
+                    if cached is not None and complete_list[i]:
+                        row.payload = (cached, i)
                     if mask & required == required:
                         add_ready(row, key)
                         if row.payload is None:
                             txn.need_payload.append((live, row))
                     continue
                 row.mask = (row.mask & ~clears[i]) | sets[i]
-                row.payload = (payload, i) if payload is not None and complete_list[i] else None
+                row.payload = (cached, i) if cached is not None and complete_list[i] else None
                 if row.state == LEASED:
                     continue
                 if row.mask & required == required:

@@ -18,7 +18,9 @@ from waiting import wait_until
 
 import store
 
-BACKENDS = ["embedded"]
+# "embedded-uncached": the same store with no claim cache (store/cache.py), so that claims read
+# every row from DuckDB, as they do for rows put while a backlog fills the cache.
+BACKENDS = ["embedded", "embedded-uncached"]
 
 
 @pytest.fixture
@@ -33,6 +35,8 @@ def any_store(request, tmp_path) -> Iterator[Any]:
     backend = request.param
     if backend == "embedded":
         s = store.connect(str(tmp_path / "x.duckdb"))
+    elif backend == "embedded-uncached":
+        s = store.connect(str(tmp_path / "x.duckdb"), cache_limit=0)
     else:  # pragma: no cover - a backend listed in BACKENDS without a branch here
         raise AssertionError(f"unknown store backend {backend!r}")
     try:

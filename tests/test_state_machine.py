@@ -23,6 +23,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 import reliability_helpers as rh
 import store
 import store.embedded
+from store.cache import DEFAULT_CACHE_LIMIT
 from store.errors import LeaseExpired, StaleVersion
 
 K = 1                     # max_staleness
@@ -73,13 +74,16 @@ class ModelClaim:
 class StoreMachine(RuleBasedStateMachine):
     claims = Bundle("claims")
 
+    #: The claim cache's limit (store/cache.py); the variant below has none: claims read DuckDB.
+    cache_limit: int | str = DEFAULT_CACHE_LIMIT
+
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
         self._real_time = store.embedded.time
         store.embedded.time = self.clock
         self.dir = tempfile.mkdtemp(prefix="expstore-sm-")
-        self.s = store.connect(f"{self.dir}/x.duckdb")
+        self.s = store.connect(f"{self.dir}/x.duckdb", cache_limit=self.cache_limit)
         self.s.create_table("t", {"prompt": "string", "reward": "float64"}, max_staleness=K,
                             max_deliveries=MAX_DELIVERIES, lease_seconds=10.0)
         self.version = 0
@@ -263,6 +267,14 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
 
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=50, stateful_step_count=40, **SETTINGS)
+
+
+class UncachedStoreMachine(StoreMachine):
+    cache_limit = 0
+
+
+TestUncachedStoreMachine = UncachedStoreMachine.TestCase
+TestUncachedStoreMachine.settings = settings(max_examples=25, stateful_step_count=40, **SETTINGS)
 
 
 @pytest.mark.slow
