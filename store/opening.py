@@ -58,9 +58,13 @@ def duckdb_config(memory_limit: str | None) -> dict[str, Any]:
 
 def connect_duckdb(path: str, memory_limit: str | None) -> duckdb.DuckDBPyConnection:
     try:
-        return duckdb.connect(path, config=duckdb_config(memory_limit))
+        con = duckdb.connect(path, config=duckdb_config(memory_limit))
     except duckdb.Error as e:
         raise _open_error(path, e) from e
+    # A query over 2 s drew DuckDB's progress bar on the server's stderr (its log). The setting
+    # is per connection (not allowed in the config), and cursors made later inherit it.
+    con.execute("SET enable_progress_bar = false")
+    return con
 
 
 def _open_error(path: str, e: Exception) -> Exception:

@@ -1,4 +1,5 @@
-"""How many threads DuckDB gets: every core but one, or what EXPSTORE_DUCKDB_THREADS says."""
+"""DuckDB settings of a store: its threads (every core but one, or EXPSTORE_DUCKDB_THREADS), no
+progress bar."""
 from __future__ import annotations
 
 import os
@@ -29,3 +30,11 @@ def test_duckdb_leaves_a_core_to_the_store_unless_told(tmp_path, monkeypatch):
             store.connect(str(tmp_path / "a.duckdb"))
     monkeypatch.delenv("EXPSTORE_DUCKDB_THREADS")
     assert _duckdb_threads(str(tmp_path / "a.duckdb")) == max(1, cores - 1)  # nothing broken
+
+
+def test_no_connection_of_the_store_draws_a_progress_bar(embedded_store):
+    # A long query's bar went to the server's stderr, which is its log.
+    s = embedded_store
+    for cursor in (s._con, s._reader(), s._reader(materialize=False)):
+        setting = cursor.execute("SELECT current_setting('enable_progress_bar')").fetchone()
+        assert setting == (False,)
