@@ -1,15 +1,17 @@
 """Soak: many producer connections and several consumers against one server for minutes.
 
-The server runs as a subprocess with ``--memory-limit 1GB``. Producer connections (threads spread
-over worker processes, each thread its own Flight connection) put batches of fresh samples as fast
-as the server acknowledges them; consumer connections claim micro-batches and ack them. Loopback
-only; every loop is bounded by ``--seconds`` plus a drain deadline.
+The server runs as a subprocess with ``--memory-limit 1GB --cache-limit 256MB``. Producer
+connections (threads spread over worker processes, each thread its own Flight connection) put
+batches of fresh samples as fast as the server acknowledges them; consumer connections claim
+micro-batches and ack them. Loopback only; every loop is bounded by ``--seconds`` plus a drain
+deadline.
 
 At the end it checks through the server: zero errors, every acknowledged sample stored exactly once
 (``count(*) == count(DISTINCT …) == rows acknowledged``), every sample consumed exactly once (no
-sample acked by two consumers), and the server's RSS (VmRSS, sampled every 0.5 s) stayed under
-``--rss-limit-mb``. It prints a JSON summary (samples/s, latencies, errors, RSS) for
-docs/reliability.md.
+sample acked by two consumers), the backlog drained (failing if it stops shrinking for 60 s), and
+the server's RSS (VmRSS, sampled every 0.5 s) stayed under ``--rss-limit-mb``. It prints a
+JSON summary (samples/s, latencies, errors, RSS, the rows left to drain when the producers
+stopped) for docs/reliability.md.
 
 Usage::
 
@@ -37,6 +39,8 @@ TABLE = "soak"
 PUT_ROWS = 16
 CLAIM_ROWS = 64
 THREADS_PER_PROCESS = 16
+#: A drain fails once the backlog has not shrunk for this long.
+STALL_SECONDS = 60.0
 
 
 # -- workers (run in their own processes) --------------------------------------------------------
@@ -148,8 +152,9 @@ def _spawn(args: list[str], out: Path) -> subprocess.Popen:
 
 
 def run_soak(workdir: str | Path, *, seconds: float = 300, producers: int = 64,
-             consumers: int = 8, memory_limit: str = "1GB", rss_limit_mb: float = 2048,
-             drain_seconds: float = 120, log=lambda m: None) -> dict[str, Any]:
+             consumers: int = 8, memory_limit: str = "1GB", cache_limit: str = "256MB",
+             rss_limit_mb: float = 2048, drain_seconds: float = 900,
+             log=lambda m: None) -> dict[str, Any]:
     """Run the soak (see the module docstring); return the summary, raise AssertionError on a
     violation."""
     import store
@@ -158,7 +163,7 @@ def run_soak(workdir: str | Path, *, seconds: float = 300, producers: int = 64,
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     srv = rh.ServerProcess(workdir / "soak.duckdb", memory_limit=memory_limit,
-                           log_path=workdir / "server.log").start()
+                           cache_limit=cache_limit, log_path=workdir / "server.log").start()
     rss: list[int] = []
     sampling = threading.Event()
 
@@ -195,10 +200,11 @@ def run_soak(workdir: str | Path, *, seconds: float = 300, producers: int = 64,
         for proc in procs[:n_prod]:
             proc.wait(timeout=seconds + 300)
         produce_seconds = time.monotonic() - t0
-        log(f"producers done after {produce_seconds:.1f} s; draining")
         with store.connect(srv.uri) as s:
-            rh.wait_until(lambda: _drained(s), drain_seconds, "consumers drained the table",
-                          interval=0.2)
+            st = s.stats(TABLE)[TABLE]
+            backlog = st["ready"] + st["processing"] + st["pending"]
+            log(f"producers done after {produce_seconds:.1f} s; draining {backlog} rows")
+            _wait_drained(s, drain_seconds)
         total_seconds = time.monotonic() - t0
         stop_file.write_text("stop")
         for proc in procs[n_prod:]:
@@ -213,11 +219,13 @@ def run_soak(workdir: str | Path, *, seconds: float = 300, producers: int = 64,
         summary.update({
             "seconds": seconds, "producer_connections": producers,
             "consumer_connections": consumers, "memory_limit": memory_limit,
+            "cache_limit": cache_limit,
             "write_rows_per_s": round(summary["rows"] / produce_seconds),
             "consume_rows_per_s": round(summary["rows"] / total_seconds),
             "drain_seconds": round(total_seconds - produce_seconds, 1),
             "put_latency": _merge_latency([p["put_latency"] for p in prod]),
             "claim_ack_latency": _merge_latency([c["claim_ack_latency"] for c in cons]),
+            "backlog_rows": backlog, "rss_limit_mb": round(rss_limit_mb),
             "rss_max_mb": round(rss_max, 1),
             "rss_end_mb": round(rss[-1] / 2**20, 1) if rss else 0.0,
             "rss_samples": len(rss),
@@ -226,7 +234,9 @@ def run_soak(workdir: str | Path, *, seconds: float = 300, producers: int = 64,
                                 for k in range(1, 11)] if rss else [],
         })
         assert summary["errors"] == 0, summary["error_examples"]
-        assert rss_max < rss_limit_mb, f"server RSS reached {rss_max:.0f} MB"
+        assert rss_max < rss_limit_mb, \
+            f"server RSS reached {rss_max:.0f} MB, over {rss_limit_mb:.0f} MB ({backlog} rows " \
+            f"to drain when the producers stopped): {summary}"
         return summary
     finally:
         sampling.set()
@@ -242,9 +252,23 @@ def _merge_latency(parts: list[dict[str, float]]) -> dict[str, float]:
     return {k: max((p[k] for p in parts), default=0.0) for k in ("p50_ms", "p99_ms")}
 
 
-def _drained(s: Any) -> bool:
-    st = s.stats(TABLE)[TABLE]
-    return st["ready"] == 0 and st["processing"] == 0 and st["pending"] == 0
+def _wait_drained(s: Any, seconds: float, stall_seconds: float = STALL_SECONDS) -> None:
+    """Wait until no row is left to consume: for up to ``seconds``, and fail sooner if the
+    backlog stops shrinking for ``stall_seconds`` (consumers stuck)."""
+    start = time.monotonic()
+    best, best_at = None, start
+    while True:
+        st = s.stats(TABLE)[TABLE]
+        left = st["ready"] + st["processing"] + st["pending"]
+        now = time.monotonic()
+        if left == 0:
+            return
+        if best is None or left < best:
+            best, best_at = left, now
+        assert now - best_at < stall_seconds, \
+            f"the consumers consumed nothing for {stall_seconds} s with {left} rows left"
+        assert now - start < seconds, f"{left} rows left after a drain of {seconds} s"
+        time.sleep(2.0)  # a stats call scans the table: polled often, it slows the drain
 
 
 def _verify(srv: Any, prod: list[dict], cons: list[dict]) -> dict[str, Any]:
@@ -280,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--producers", type=int, default=64)
     ap.add_argument("--consumers", type=int, default=8)
     ap.add_argument("--memory-limit", default="1GB")
+    ap.add_argument("--cache-limit", default="256MB")
     ap.add_argument("--rss-limit-mb", type=float, default=2048)
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     # Internal: the worker processes.
@@ -302,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.dir or tempfile.mkdtemp(prefix="expstore-soak-")
     summary = run_soak(workdir, seconds=args.seconds, producers=args.producers,
                        consumers=args.consumers, memory_limit=args.memory_limit,
-                       rss_limit_mb=args.rss_limit_mb,
+                       cache_limit=args.cache_limit, rss_limit_mb=args.rss_limit_mb,
                        log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(summary, indent=2))
     return 0

@@ -42,11 +42,12 @@ class ServerProcess:
     """
 
     def __init__(self, db: str | os.PathLike, *, port: int | None = None,
-                 memory_limit: str | None = None,
+                 memory_limit: str | None = None, cache_limit: str | None = None,
                  log_path: str | os.PathLike | None = None) -> None:
         self.db = str(db)
         self.port = port or free_port()
         self.memory_limit = memory_limit
+        self.cache_limit = cache_limit
         self.log_path = Path(log_path or f"{self.db}.server.log")
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -65,6 +66,8 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "flight_server", "--db", self.db, "--port", str(self.port)]
         if self.memory_limit:
             cmd += ["--memory-limit", self.memory_limit]
+        if self.cache_limit:
+            cmd += ["--cache-limit", self.cache_limit]
         return cmd
 
     def start(self, timeout: float = 60.0) -> "ServerProcess":
