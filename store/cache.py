@@ -4,10 +4,11 @@ need no DuckDB read.
 Why a bound: every put's values stayed cached until their rows were consumed, so a server whose
 producers outran its trainers grew by each backlog row's values (a soak reached 4.9 GB with DuckDB
 capped at 1 GB). Now a put's values are cached only while the cache holds less than its limit;
-rows put past it are claimed from DuckDB (a read of ~1-3 ms per claim instead of none), and the
-cache fills again as the backlog drains. Rows that the put log holds and DuckDB does not yet
-have are always cached (DuckDB cannot serve them); once applied to DuckDB, they leave the cache if
-it is over its limit (see ``Writer._logged_committed``).
+rows put past it are claimed from DuckDB (the claim that reads them reads the next ready rows'
+values too, see ``EmbeddedStore._read_values``), and the cache fills again as the backlog drains.
+Rows that the put log holds and DuckDB does not yet have are always cached (DuckDB cannot serve
+them); once applied to DuckDB, they leave the cache if it is over its limit (see
+``Writer._logged_committed``).
 
 What is counted is the Arrow tables the cache refers to (a put's batch, or rows read back from
 DuckDB), by the size of the buffers they hold (a slice holds its whole buffer; ``nbytes``, which

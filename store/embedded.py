@@ -52,8 +52,11 @@ log = logging.getLogger("expstore.store")
 RECENT_CLAIMS = 100_000
 #: Ready rows a claim with a predicate evaluates first (then 4x more per round; see _accepted).
 WHERE_FIRST_ROWS = 256
-#: Ready rows without cached values that a claim reading DuckDB reads for the next claims too.
-LOAD_AHEAD_ROWS = 1024
+#: A claim reading rows from DuckDB reads the next ready rows' values too (see _read_values): up
+#: to this many rows, and about this many bytes by the size of the table's rows read last time
+#: (1,024 rows before any).
+LOAD_AHEAD_ROWS = 4096
+LOAD_AHEAD_BYTES = 16 << 20
 STATS_ATTEMPTS = 200  # reads of stats that may overlap a group commit before giving up
 
 
@@ -430,13 +433,16 @@ class EmbeddedStore:
         ready rows without them (up to LOAD_AHEAD_ROWS), which the cache keeps for the next
         claims.
 
-        Why ahead: the query scans the table's row ids whatever it reads (~4 ms at 10^6 rows), so
-        each claim reading its own rows paid that; read together, the next claims pay nothing.
+        Why ahead: the query costs ~1.5-6 ms at 10^7 rows however few rows it reads (~20 ms for
+        1,000 rows spread over the table), so each claim reading its own rows paid that; read
+        together, the next claims pay nothing.
         A row is marked LOADING while the query runs; a write that replaces its values meanwhile
         replaces the mark, and then what the query read (older) is not kept.
         """
+        want = 1024 if live.row_bytes is None else \
+            max(1, min(LOAD_AHEAD_ROWS, LOAD_AHEAD_BYTES // max(1, live.row_bytes)))
         with self._lock:
-            ahead = [r for r in live.ready_rows(LOAD_AHEAD_ROWS) if r.payload is None]
+            ahead = [r for r in live.ready_rows(want) if r.payload is None]
             reading = claimed + ahead
             for r in reading:
                 r.payload = LOADING
@@ -459,15 +465,17 @@ class EmbeddedStore:
         if not row_ids:
             return {}
         schema = live.tdef.payload_schema()
-        # The range lets DuckDB skip row groups by their zone maps: rows are usually claimed
-        # roughly in arrival order, so their ids are close together.
+        # A semi-join, not a range and list_contains: DuckDB pushes the join's bounds into the
+        # scan, so ids close together skip the other row groups (1.5 ms for 16 ids at 10^7
+        # rows, as with the range), and ids spread over the table cost half as much (5.6 against
+        # 9.8 ms for 16, 18 against 42 ms for 1,040).
         sql = (f"SELECT row_id, {', '.join(map(quote, schema.names))} FROM "
-               f"{quote(live.tdef.name)} WHERE row_id BETWEEN ? AND ? AND "
-               "list_contains(?::BIGINT[], row_id)")
-        table = self._reader(materialize=False).sql(
-            sql, params=[min(row_ids), max(row_ids), row_ids]).to_arrow_table()
+               f"{quote(live.tdef.name)} WHERE row_id IN (SELECT unnest(?::BIGINT[]))")
+        table = self._reader(materialize=False).sql(sql, params=[row_ids]).to_arrow_table()
         ids = table.column("row_id").to_pylist()
         table = table.drop_columns(["row_id"]).cast(schema)
+        if ids:
+            live.row_bytes = table.get_total_buffer_size() // len(ids)
         self.cache.hold(table)
         return {rid: (table, i) for i, rid in enumerate(ids)}
 

@@ -188,6 +188,8 @@ class LiveTable:
         # not kept (over TERMINAL_INDEX_MAX); the writer then asks DuckDB.
         self.terminal: dict[int, dict[str, int]] | None = {}
         self.terminal_count = 0
+        # Bytes of a row's values as last read from DuckDB (how many rows a claim reads ahead).
+        self.row_bytes: int | None = None
 
     # -- state transitions ---------------------------------------------------------------------
     def is_complete(self, row: Row) -> bool:
