@@ -54,9 +54,10 @@ RECENT_CLAIMS = 100_000
 WHERE_FIRST_ROWS = 256
 #: A claim reading rows from DuckDB reads the next ready rows' values too (see _read_values): up
 #: to this many rows, and about this many bytes by the size of the table's rows read last time
-#: (1,024 rows before any).
+#: (LOAD_AHEAD_FIRST_ROWS before any).
 LOAD_AHEAD_ROWS = 4096
 LOAD_AHEAD_BYTES = 16 << 20
+LOAD_AHEAD_FIRST_ROWS = 1024
 STATS_ATTEMPTS = 200  # reads of stats that may overlap a group commit before giving up
 
 
@@ -71,8 +72,8 @@ class EmbeddedStore:
             columns.
         memory_limit: DuckDB's memory limit, e.g. ``"4GB"``.
         cache_limit: memory for ready rows' values kept so that claims need no DuckDB read
-            (bytes, or a size such as ``"512MB"``); rows put while it is full are claimed from
-            DuckDB. See store/cache.py.
+            (bytes, or a size such as ``"512MB"``; default 1 GiB); rows put while it is full are
+            claimed from DuckDB. See store/cache.py.
         query_timeout: seconds before an ad-hoc query is cancelled.
         max_concurrent_queries: ad-hoc queries running at once; more wait their turn, so that
             people's SQL cannot starve the writer of CPU.
@@ -396,11 +397,11 @@ class EmbeddedStore:
         """The claim's rows, from the claim cache where possible, else from DuckDB."""
         tdef = live.tdef
         payloads = [r.payload for r in rows]
-        if any(p is None or p is LOADING for p in payloads):
-            loaded = self._read_values(live, [r for r, p in zip(rows, payloads)
-                                              if p is None or p is LOADING])
-            payloads = [loaded.get(r.row_id) if p is None or p is LOADING else p
-                        for r, p in zip(rows, payloads)]
+        missing = [i for i, p in enumerate(payloads) if p is None or p is LOADING]
+        if missing:
+            loaded = self._read_values(live, [rows[i] for i in missing])
+            for i in missing:
+                payloads[i] = loaded.get(rows[i].row_id)
         # One take per cached source table (rows mostly come from a few puts), then one
         # reorder into claim order: far cheaper than a slice and a concat per row.
         sources: dict[int, tuple[pa.Table, list[int], list[int]]] = {}
@@ -436,10 +437,11 @@ class EmbeddedStore:
         Why ahead: the query costs ~1.5-6 ms at 10^7 rows however few rows it reads (~20 ms for
         1,000 rows spread over the table), so each claim reading its own rows paid that; read
         together, the next claims pay nothing.
+
         A row is marked LOADING while the query runs; a write that replaces its values meanwhile
         replaces the mark, and then what the query read (older) is not kept.
         """
-        want = 1024 if live.row_bytes is None else \
+        want = LOAD_AHEAD_FIRST_ROWS if live.row_bytes is None else \
             max(1, min(LOAD_AHEAD_ROWS, LOAD_AHEAD_BYTES // max(1, live.row_bytes)))
         with self._lock:
             ahead = [r for r in live.ready_rows(want) if r.payload is None]

@@ -331,7 +331,7 @@ class LiveTable:
 
     def evict(self, keys: list[Key], table: Any) -> None:
         """Drop the cached values that ``keys``' ready rows hold in ``table`` (claims read
-        them from DuckDB then). Leased rows keep theirs: a claim may be reading them."""
+        them from DuckDB then). Leased rows keep theirs: their claim is about to read them."""
         rows_get = self.rows.get
         for key in keys:
             row = rows_get(key)

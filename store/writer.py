@@ -161,7 +161,7 @@ class _Txn:
         # Set for a group going to the put log: the records of its changes.
         self.logged: list[Record] | None = None
         # The cached values of a logged group's rows, which the claim cache may drop once
-        # DuckDB has them: (table, keys, values).
+        # DuckDB has them: (live table, the rows' keys, the values' Arrow table).
         self.logged_values: list[tuple[LiveTable, list[tuple[str, int]], pa.Table]] = []
 
 
