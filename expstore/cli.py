@@ -198,6 +198,11 @@ def _size_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
               help="Memory for ready rows' values kept so that claims need no DuckDB read, e.g. "
                    "512MB. Rows put while it is full are claimed from DuckDB (0: all rows but "
                    "those of the put log not yet applied to DuckDB).")
+@click.option("--max-live-rows", type=click.IntRange(min=1), metavar="N",
+              help="The most live rows (pending, ready or being processed) a table may hold; a "
+                   "put adding rows past it fails with table_full (retryable), so that producers "
+                   "outrunning their trainers cannot grow the server without bound. Default: no "
+                   "limit.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="Serve Prometheus /metrics over HTTP on this port (0: a free one; needs the "
                    "flight_server.metrics module; without it the option is ignored with a "
@@ -210,7 +215,8 @@ def _size_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
                    "stops waiting); then close the store and exit without them.")
 def serve(db: str, host: str, port: int, tokens_file: str | None, tls_cert: str | None,
           tls_key: str | None, memory_limit: str | None, cache_limit: int,
-          metrics_port: int | None, log_level: str, shutdown_grace: float) -> None:
+          max_live_rows: int | None, metrics_port: int | None, log_level: str,
+          shutdown_grace: float) -> None:
     """Serve a store over Arrow Flight until SIGINT/SIGTERM.
 
     Prints one line, "expstore serving grpc://HOST:PORT (db PATH)", once it accepts calls. On
@@ -233,7 +239,8 @@ def serve(db: str, host: str, port: int, tokens_file: str | None, tls_cert: str 
         raise click.UsageError("TLS needs both --tls-cert and --tls-key")
     run_server(db, host=host, port=port, tokens_file=tokens_file, tls_cert=tls_cert,
                tls_key=tls_key, memory_limit=memory_limit, cache_limit=cache_limit,
-               metrics_port=metrics_port, warn=lambda message: click.echo(message, err=True),
+               max_live_rows=max_live_rows, metrics_port=metrics_port,
+               warn=lambda message: click.echo(message, err=True),
                shutdown_grace=shutdown_grace)
 
 

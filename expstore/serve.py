@@ -60,7 +60,8 @@ def ready_line(location: str, db: str) -> str:
 def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
                tokens_file: str | None = None, tls_cert: str | None = None,
                tls_key: str | None = None, memory_limit: str | None = None,
-               cache_limit: int | None = None, metrics_port: int | None = None,
+               cache_limit: int | None = None, max_live_rows: int | None = None,
+               metrics_port: int | None = None,
                out: TextIO | None = None, warn: Callable[[str], Any] | None = None,
                shutdown_grace: float = SHUTDOWN_GRACE_SECONDS) -> int:
     """Serve ``db`` until SIGINT or SIGTERM; print one ready line to ``out``; return 0.
@@ -79,6 +80,8 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
         options["memory_limit"] = memory_limit
     if cache_limit is not None:
         options["cache_limit"] = cache_limit
+    if max_live_rows is not None:
+        options["max_live_rows"] = max_live_rows
     if metrics_port is not None:
         if metrics_available():
             options["metrics_port"] = metrics_port

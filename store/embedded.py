@@ -35,7 +35,7 @@ from .blobs import BlobStore
 from .cache import DEFAULT_CACHE_LIMIT, ClaimCache, parse_size
 from .claims import Claim, ClaimRequest
 from .errors import AlreadyExists, StoreClosed, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
-    QueryRefused, QueryTimeout, StorageError
+    QueryRefused, QueryTimeout, StorageError, TableFull
 from .live import LOADING, Lease, LiveTable, Row
 from .naming import check_identifier, quote
 from .opening import connect_duckdb, ensure_catalog
@@ -74,6 +74,10 @@ class EmbeddedStore:
         cache_limit: memory for ready rows' values kept so that claims need no DuckDB read
             (bytes, or a size such as ``"512MB"``; default 1 GiB); rows put while it is full are
             claimed from DuckDB. See store/cache.py.
+        max_live_rows: the most live rows (pending, ready or being processed) a table may hold;
+            a put that would add rows past it fails with :class:`TableFull` (retryable), so that
+            producers outrunning their consumers cannot grow the server without bound. None: no
+            limit.
         query_timeout: seconds before an ad-hoc query is cancelled.
         max_concurrent_queries: ad-hoc queries running at once; more wait their turn, so that
             people's SQL cannot starve the writer of CPU.
@@ -82,9 +86,16 @@ class EmbeddedStore:
     def __init__(self, path: str, *, blob_dir: str | None = None,
                  blob_filesystem: pafs.FileSystem | None = None, ref_threshold: int = 512,
                  memory_limit: str | None = None, cache_limit: int | str = DEFAULT_CACHE_LIMIT,
-                 query_timeout: float = 30.0, max_concurrent_queries: int = 2) -> None:
+                 max_live_rows: int | None = None, query_timeout: float = 30.0,
+                 max_concurrent_queries: int = 2) -> None:
         self.path = path
         self.cache = ClaimCache(parse_size(cache_limit))
+        if max_live_rows is not None and (not isinstance(max_live_rows, int)
+                                          or isinstance(max_live_rows, bool)
+                                          or max_live_rows < 1):
+            raise InvalidArgument(f"max_live_rows {max_live_rows!r} is invalid; expected a "
+                                  "positive number of rows or None")
+        self.max_live_rows = max_live_rows
         self.ref_threshold = ref_threshold
         self.query_timeout = query_timeout
         ensure_catalog(path)
@@ -262,10 +273,41 @@ class EmbeddedStore:
         """
         live = self._live_table(table)
         arrow = to_arrow_table(live.tdef, data)
+        limit = self.max_live_rows
         if arrow.num_rows <= SMALL_ROWS:
             check_columns(live.tdef, arrow)
+            if limit is not None and len(live.rows) + arrow.num_rows > limit:
+                self._check_room(live, self._keys_of(live, arrow), limit)
             return self._writer.submit(SmallPutOp(table, arrow))
-        return self._writer.submit(PutOp(self._prepare(table, arrow)))
+        prepared = self._prepare(table, arrow)
+        if limit is not None and len(live.rows) + prepared.rows > limit:
+            self._check_room(live, prepared.keys, limit)
+        return self._writer.submit(PutOp(prepared))
+
+    def _keys_of(self, live: LiveTable, arrow: pa.Table) -> list[tuple[Any, Any]]:
+        """A small put's (sample id, policy version) keys, before the writer checks them."""
+        current = self._versions[live.tdef.version_group]
+        sids = arrow.column("sample_id").to_pylist()
+        if "policy_version" not in arrow.column_names:
+            return [(sid, current) for sid in sids]
+        versions = arrow.column("policy_version").to_pylist()
+        return [(sid, current if v is None else v) for sid, v in zip(sids, versions)]
+
+    def _check_room(self, live: LiveTable, keys: list[tuple[Any, Any]], limit: int) -> None:
+        """Refuse a put that would take a table past ``max_live_rows``; rows it only updates
+        (a reward written to a pending row) take no room.
+
+        Checked before the put is queued, not under the writer: puts checked at once may
+        overshoot the limit by their rows; a put refused here costs the writer nothing.
+        """
+        rows = live.rows
+        new = sum(1 for key in set(keys) if key not in rows)
+        if new and len(rows) + new > limit:
+            raise TableFull(
+                f"table {live.tdef.name!r} holds {len(rows):,} live rows (pending, ready or "
+                f"being processed) and this put would add {new:,}, over the store's "
+                f"max_live_rows of {limit:,}; retry once consumers have acked rows (or a version "
+                "bump has made old ones stale)")
 
     def _prepare(self, table: str, data: Any) -> PreparedPut:
         """Validate and convert a write to ``table`` against its current version."""

@@ -105,12 +105,19 @@ class Unavailable(ExpstoreError):
     code = "unavailable"
 
 
+class TableFull(Unavailable):
+    """A put would take a table past its store's limit of live rows (``max_live_rows``): the
+    consumers are behind; retrying once they have consumed may succeed."""
+
+    code = "table_full"
+
+
 ERROR_CLASSES: dict[str, type[ExpstoreError]] = {
     cls.code: cls
     for cls in (
         ExpstoreError, InvalidArgument, SchemaMismatch, NotFound, AlreadyExists,
         VersionConflict, StaleVersion, LeaseExpired, QueryRefused, QueryTimeout,
         CatalogOutdated, StoreClosed, StorageError, Unauthenticated, PermissionDenied,
-        Unavailable,
+        Unavailable, TableFull,
     )
 }
