@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import heapq
 import itertools
 import logging
@@ -45,7 +46,7 @@ from .recovery import load_state
 from .schema import TableDef
 from .sqlguard import check_select
 from .types import one_array
-from .writer import BumpOp, CallOp, PutOp, SettleOp, SmallPutOp, Writer
+from .writer import BumpOp, CallOp, PutOp, ReadOp, SettleOp, SmallPutOp, Writer
 
 log = logging.getLogger("expstore.store")
 
@@ -58,7 +59,6 @@ WHERE_FIRST_ROWS = 256
 LOAD_AHEAD_ROWS = 4096
 LOAD_AHEAD_BYTES = 16 << 20
 LOAD_AHEAD_FIRST_ROWS = 1024
-STATS_ATTEMPTS = 200  # reads of stats that may overlap a group commit before giving up
 
 
 class EmbeddedStore:
@@ -136,11 +136,6 @@ class EmbeddedStore:
             _remember(self._recent_expired, claim_id, "its lease ended before the store "
                       "restarted")
         self._closed = False
-        # Odd from a group's COMMIT until its effects are applied to memory: stats() reads
-        # DuckDB and memory between two equal, even values to get one snapshot. _flushing holds
-        # the lease bookkeeping a running group took out of _row_updates, until it commits.
-        self._commit_seq = 0
-        self._flushing: dict[str, list[tuple]] = {}
         #: Monotonic counters for monitoring (flight_server.metrics exports them).
         self.counters: dict[str, int] = {
             "rows_put": 0, "puts": 0, "claims": 0, "rows_claimed": 0, "acks": 0,
@@ -711,7 +706,6 @@ class EmbeddedStore:
         with self._lock:
             updates = {t: list(rows.values()) for t, rows in self._row_updates.items() if rows}
             self._row_updates = {}
-            self._flushing = updates
         return updates
 
     def _requeue_row_updates(self, updates: dict[str, list[tuple]]) -> None:
@@ -723,7 +717,6 @@ class EmbeddedStore:
                 pending = self._row_updates.setdefault(tname, {})
                 for entry in rows:
                     pending.setdefault(entry[0], entry)
-            self._flushing = {}
 
     def _may_have_terminal_rows(self, table: str) -> bool:
         return table in self._terminal_possible
@@ -863,37 +856,32 @@ class EmbeddedStore:
         out: dict[str, Any] = {}
         for name in names:
             live = self._live_table(name)
-            for _ in range(STATS_ATTEMPTS):
-                seq = self._commit_seq
-                row = self._reader().execute(
-                    f"SELECT count(*), count(*) FILTER (WHERE consumed), "
-                    f"count(*) FILTER (WHERE stale AND NOT consumed), "
-                    f"count(*) FILTER (WHERE dead AND NOT consumed AND NOT stale) "
-                    f"FROM {quote(name)}").fetchone()
-                per_version = self._reader().execute(
-                    f"SELECT policy_version, count(*) FROM {quote(name)} GROUP BY 1 ORDER BY 1"
-                ).fetchall()
-                with self._lock:
-                    ready, processing = live.ready_count, live.leased_count
-                    live_rows = len(live.rows)
-                    version = self._versions[live.tdef.version_group]
-                    # Expired leases' stale/dead rows left memory; their flags are not flushed.
-                    unflushed = (list(self._row_updates.get(name, {}).values())
-                                 + self._flushing.get(name, []))
-                    consistent = seq % 2 == 0 and seq == self._commit_seq
-                if consistent:
-                    break
-                time.sleep(0.001)
-            total, consumed, stale, dead = (int(v) for v in row) if row else (0, 0, 0, 0)
-            stale += sum(1 for u in unflushed if u[6])
-            dead += sum(1 for u in unflushed if u[7] and not u[6])
-            out[name] = {
-                "version": version, "version_group": live.tdef.version_group,
-                "rows": total, "pending": live_rows - ready - processing, "ready": ready,
-                "processing": processing, "consumed": consumed, "stale": stale, "dead": dead,
-                "rows_per_version": {int(v): int(c) for v, c in per_version},
-            }
+            out[name] = self._writer.call(ReadOp(functools.partial(self._table_stats, live)))
         return out
+
+    def _table_stats(self, live: LiveTable, con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+        """One table's stats, on the writer thread between two groups (see ReadOp)."""
+        name = live.tdef.name
+        per_version = con.execute(
+            f"SELECT policy_version, count(*), count(*) FILTER (WHERE consumed), "
+            f"count(*) FILTER (WHERE stale AND NOT consumed), "
+            f"count(*) FILTER (WHERE dead AND NOT consumed AND NOT stale) "
+            f"FROM {quote(name)} GROUP BY 1 ORDER BY 1").fetchall()
+        with self._lock:
+            ready, processing = live.ready_count, live.leased_count
+            live_rows = len(live.rows)
+            version = self._versions[live.tdef.version_group]
+            # Expired leases' stale/dead rows left memory; their flags are not written yet.
+            unflushed = list(self._row_updates.get(name, {}).values())
+        total, consumed, stale, dead = (sum(int(r[i]) for r in per_version) for i in (1, 2, 3, 4))
+        stale += sum(1 for u in unflushed if u[6])
+        dead += sum(1 for u in unflushed if u[7] and not u[6])
+        return {
+            "version": version, "version_group": live.tdef.version_group,
+            "rows": total, "pending": live_rows - ready - processing, "ready": ready,
+            "processing": processing, "consumed": consumed, "stale": stale, "dead": dead,
+            "rows_per_version": {int(r[0]): int(r[1]) for r in per_version},
+        }
 
     def leases(self, table: str | None = None) -> list[dict[str, Any]]:
         """The claims currently leased: id, owner, expiry, rows per table."""

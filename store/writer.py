@@ -132,6 +132,19 @@ class FlushOp(Op):
     """Nothing but a DuckDB transaction: it inserts the rows waiting in the put log."""
 
 
+@dataclass
+class ReadOp(Op):
+    """A read of DuckDB and memory together (``stats``), run by the writer between two groups:
+    DuckDB then holds every logged change and nothing commits until ``run(con)`` returns, so the
+    two agree.
+
+    Why not a reader cursor: a reader cannot see DuckDB and memory at one instant; under a steady
+    stream of commits, ``stats`` retried its two queries up to 200 times (seconds under load).
+    """
+
+    run: Callable[[duckdb.DuckDBPyConnection], Any]
+
+
 class _NotLoggable(Exception):
     """A group that must go through DuckDB at once (see Writer._log_puts)."""
 
@@ -285,13 +298,25 @@ class Writer:
             self._store._expire_leases()
             self._flush_due = None  # this group writes any pending lease bookkeeping too
             if ops or self._store._has_pending_row_updates():
-                for part in _bumps_apart(ops):
-                    self._run_group(part)
+                for part in _reads_apart(ops):
+                    if isinstance(part, ReadOp):
+                        self._read(part)
+                        continue
+                    for group in _bumps_apart(part):
+                        self._run_group(group)
             if self._materialize_due() or (stop and self._logged):
                 self._materialize()
             if stop:
                 self._drain_closed()
                 return
+
+    def _read(self, op: ReadOp) -> None:
+        if self._logged:
+            self._materialize()  # if it fails (a full disk), the read goes on without them
+        try:
+            _resolve(op, op.run(self._con))
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            _fail(op, e)
 
     def _materialize(self) -> None:
         """Apply the logged changes to DuckDB now (a transaction of nothing else)."""
@@ -487,7 +512,6 @@ class Writer:
                 writing: Future = blob_write
                 blob_write = None  # finished once result() returns or raises
                 writing.result()  # the chunks are durable before any key to them commits
-            store._commit_seq += 1  # odd from COMMIT until applied: see EmbeddedStore.stats
             con.execute("COMMIT")
         except BaseException as e:
             if blob_write is not None:
@@ -504,10 +528,6 @@ class Writer:
                 con.execute("ROLLBACK")
             except duckdb.Error:
                 pass
-            with store._lock:
-                store._flushing = {}
-                if store._commit_seq % 2:
-                    store._commit_seq += 1
             if logged:  # not inserted: try again later, less often while it keeps failing
                 self._retry_at = time.monotonic() + self._retry_delay
                 self._retry_delay = min(self._retry_delay * 2, 5.0)
@@ -526,12 +546,8 @@ class Writer:
         """A durable group's effects on memory (its COMMIT or its log append happened)."""
         store = self._store
         with store._lock:
-            try:
-                for effect in txn.applies:
-                    effect()
-            finally:
-                store._flushing = {}
-                store._commit_seq += 1  # even again: see EmbeddedStore.stats
+            for effect in txn.applies:
+                effect()
             store._notify()
 
     def _run_ops(self, txn: _Txn, ops: list[Op], results: list[Any]) -> None:
@@ -595,7 +611,6 @@ class Writer:
         writing = self._blob_io.submit(blobs.sync) \
             if blobs.pending_bytes >= OVERLAP_BLOB_BYTES else None
         updates = self._log_row_updates(txn)
-        store._commit_seq += 1  # odd until applied, as for a COMMIT
         try:
             encoded = encode(txn.logged)
             if writing is None:
@@ -612,7 +627,6 @@ class Writer:
                     pass
             blobs.rollback()
             store._requeue_row_updates(updates)
-            store._commit_seq += 1
             log.warning("put log not written, the group goes to DuckDB: %s", e)
             return None
         self.commits += 1  # a group commit, to the log
@@ -1206,6 +1220,24 @@ def _checkpoint(cursor: duckdb.DuckDBPyConnection) -> bool:
         return False
     finally:
         cursor.close()
+
+
+def _reads_apart(ops: list[Op]) -> list[list[Op] | ReadOp]:
+    """The ops in order, each read on its own between the runs of the others (a run may be
+    empty: lease bookkeeping alone)."""
+    parts: list[list[Op] | ReadOp] = []
+    run: list[Op] = []
+    for op in ops:
+        if isinstance(op, ReadOp):
+            if run:
+                parts.append(run)
+                run = []
+            parts.append(op)
+        else:
+            run.append(op)
+    if run or not parts:
+        parts.append(run)
+    return parts
 
 
 def _bumps_apart(ops: list[Op]) -> list[list[Op]]:
