@@ -1,10 +1,10 @@
 """Soak: many producer connections and several consumers against one server for minutes.
 
-The server runs as a subprocess with ``--memory-limit 1GB --cache-limit 256MB``. Producer
-connections (threads spread over worker processes, each thread its own Flight connection) put
-batches of fresh samples as fast as the server acknowledges them; consumer connections claim
-micro-batches and ack them. Loopback only; every loop is bounded by ``--seconds`` plus a drain
-deadline.
+The server runs as a subprocess with ``--memory-limit 1GB --cache-limit 256MB --max-live-rows
+200000``. Producer connections (threads spread over worker processes, each thread its own Flight
+connection) put batches of fresh samples as fast as the server acknowledges them, waiting 50 ms
+after a put refused with ``table_full``; consumer connections claim micro-batches and ack them.
+Loopback only; every loop is bounded by ``--seconds`` plus a drain deadline.
 
 At the end it checks through the server: zero errors, every acknowledged sample stored exactly once
 (``count(*) == count(DISTINCT …) == rows acknowledged``), every sample consumed exactly once (no
@@ -41,6 +41,9 @@ CLAIM_ROWS = 64
 THREADS_PER_PROCESS = 16
 #: A drain fails once the backlog has not shrunk for this long.
 STALL_SECONDS = 60.0
+#: The server's --max-live-rows: producers that outrun the consumers by this many rows are
+#: refused (table_full) and wait 50 ms before putting again, which bounds the server's index.
+MAX_LIVE_ROWS = 200_000
 
 
 # -- workers (run in their own processes) --------------------------------------------------------
@@ -54,6 +57,7 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
 
 def producer_worker(uri: str, index: int, threads: int, seconds: float) -> dict[str, Any]:
     import store
+    from store.errors import TableFull
     deadline = time.monotonic() + seconds
     results: list[dict[str, Any]] = [{} for _ in range(threads)]
 
@@ -61,7 +65,7 @@ def producer_worker(uri: str, index: int, threads: int, seconds: float) -> dict[
         s = store.connect(uri, timeout=60.0)
         latencies: list[float] = []
         errors: list[str] = []
-        seq = 0
+        seq = refused = 0
         try:
             for _ in range(10_000_000):
                 if time.monotonic() >= deadline:
@@ -75,6 +79,10 @@ def producer_worker(uri: str, index: int, threads: int, seconds: float) -> dict[
                 t0 = time.perf_counter()
                 try:
                     s.put(TABLE, data)
+                except TableFull:  # the server's --max-live-rows: wait for the consumers
+                    refused += 1
+                    time.sleep(0.05)
+                    continue
                 except Exception as e:  # noqa: BLE001 - every error is counted and reported
                     errors.append(repr(e)[:300])
                     if len(errors) > 20:
@@ -85,7 +93,7 @@ def producer_worker(uri: str, index: int, threads: int, seconds: float) -> dict[
         finally:
             s.close()
         results[t] = {"prefix": f"w{index}t{t}n", "rows": seq, "errors": errors,
-                      "latencies": latencies}
+                      "refused": refused, "latencies": latencies}
 
     ths = [threading.Thread(target=run, args=(t,), daemon=True) for t in range(threads)]
     for th in ths:
@@ -153,8 +161,8 @@ def _spawn(args: list[str], out: Path) -> subprocess.Popen:
 
 def run_soak(workdir: str | Path, *, seconds: float = 300, producers: int = 64,
              consumers: int = 8, memory_limit: str = "1GB", cache_limit: str = "256MB",
-             rss_limit_mb: float = 2048, drain_seconds: float = 900,
-             log=lambda m: None) -> dict[str, Any]:
+             max_live_rows: int | None = MAX_LIVE_ROWS, rss_limit_mb: float = 2048,
+             drain_seconds: float = 900, log=lambda m: None) -> dict[str, Any]:
     """Run the soak (see the module docstring); return the summary, raise AssertionError on a
     violation."""
     import store
@@ -163,7 +171,8 @@ def run_soak(workdir: str | Path, *, seconds: float = 300, producers: int = 64,
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     srv = rh.ServerProcess(workdir / "soak.duckdb", memory_limit=memory_limit,
-                           cache_limit=cache_limit, log_path=workdir / "server.log").start()
+                           cache_limit=cache_limit, max_live_rows=max_live_rows,
+                           log_path=workdir / "server.log").start()
     rss: list[int] = []
     sampling = threading.Event()
 
@@ -219,7 +228,7 @@ def run_soak(workdir: str | Path, *, seconds: float = 300, producers: int = 64,
         summary.update({
             "seconds": seconds, "producer_connections": producers,
             "consumer_connections": consumers, "memory_limit": memory_limit,
-            "cache_limit": cache_limit,
+            "cache_limit": cache_limit, "max_live_rows": max_live_rows,
             "write_rows_per_s": round(summary["rows"] / produce_seconds),
             "consume_rows_per_s": round(summary["rows"] / total_seconds),
             "drain_seconds": round(total_seconds - produce_seconds, 1),
@@ -295,7 +304,8 @@ def _verify(srv: Any, prod: list[dict], cons: list[dict]) -> dict[str, Any]:
     return {"rows": produced, "consumed": len(acked), "lost": 0, "duplicated": 0,
             "errors": len(errors), "error_examples": errors[:5],
             "micro_batches": sum(c["micro_batches"] for c in cons),
-            "puts": sum(p["puts"] for p in prod)}
+            "puts": sum(p["puts"] for p in prod),
+            "puts_refused": sum(t.get("refused", 0) for p in prod for t in p["threads"])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--consumers", type=int, default=8)
     ap.add_argument("--memory-limit", default="1GB")
     ap.add_argument("--cache-limit", default="256MB")
+    ap.add_argument("--max-live-rows", type=int, default=MAX_LIVE_ROWS,
+                    help="the server's --max-live-rows (0: none)")
     ap.add_argument("--rss-limit-mb", type=float, default=2048)
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     # Internal: the worker processes.
@@ -327,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.dir or tempfile.mkdtemp(prefix="expstore-soak-")
     summary = run_soak(workdir, seconds=args.seconds, producers=args.producers,
                        consumers=args.consumers, memory_limit=args.memory_limit,
-                       cache_limit=args.cache_limit, rss_limit_mb=args.rss_limit_mb,
+                       cache_limit=args.cache_limit, max_live_rows=args.max_live_rows or None,
+                       rss_limit_mb=args.rss_limit_mb,
                        log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(summary, indent=2))
     return 0

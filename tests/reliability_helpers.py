@@ -43,11 +43,13 @@ class ServerProcess:
 
     def __init__(self, db: str | os.PathLike, *, port: int | None = None,
                  memory_limit: str | None = None, cache_limit: str | None = None,
+                 max_live_rows: int | None = None,
                  log_path: str | os.PathLike | None = None) -> None:
         self.db = str(db)
         self.port = port or free_port()
         self.memory_limit = memory_limit
         self.cache_limit = cache_limit
+        self.max_live_rows = max_live_rows
         self.log_path = Path(log_path or f"{self.db}.server.log")
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -68,6 +70,8 @@ class ServerProcess:
             cmd += ["--memory-limit", self.memory_limit]
         if self.cache_limit:
             cmd += ["--cache-limit", self.cache_limit]
+        if self.max_live_rows:
+            cmd += ["--max-live-rows", str(self.max_live_rows)]
         return cmd
 
     def start(self, timeout: float = 60.0) -> "ServerProcess":

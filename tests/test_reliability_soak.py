@@ -37,11 +37,6 @@ def test_short_soak_has_no_errors_no_loss_and_bounded_memory(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.xfail(reason="known (docs/reliability.md, section 4): the producers outrun the "
-                          "consumers by ~10^6 rows, and the server's index of them (~700 B a "
-                          "live row, besides DuckDB's 1 GB and the claim cache's 256 MB) takes "
-                          "its RSS to ~2.7 GB, over the 2 GB bound; every other check passes",
-                   strict=False)
 def test_full_soak_64_producers_8_consumers(tmp_path):
     summary = _soak().run_soak(tmp_path, seconds=300, producers=64, consumers=8)
     _check(summary)
