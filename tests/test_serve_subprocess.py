@@ -25,6 +25,7 @@ import pytest
 from click.testing import CliRunner
 
 import store
+from store.errors import TableFull
 from expstore.cli import cli
 from test_flight_session import RawSession
 from test_session_puts import ipc, send_put
@@ -334,3 +335,16 @@ def test_serve_refuses_a_locked_database(start_server, tmp_path):
     err = second.stderr_path.read_text()
     assert "in use by another process" in err and "Traceback" not in err
     assert first.stop(signal.SIGTERM) == 0
+
+
+def test_serve_takes_the_cache_and_live_row_limits(start_server, tmp_path):
+    server = start_server("-m", "expstore.cli", "serve", "--db", str(tmp_path / "l.duckdb"),
+                          "--port", "0", "--cache-limit", "64MiB", "--max-live-rows", "2")
+    uri = server.wait_ready().split()[2]
+    with store.connect(uri) as s:
+        assert s.health()["claim_cache_limit"] == 64 << 20
+        s.create_table("t", {"a": "int64"})
+        s.put("t", {"sample_id": ["q1_0_0", "q2_0_0"], "a": [1, 2]})
+        with pytest.raises(TableFull, match="max_live_rows of 2"):
+            s.put("t", {"sample_id": ["q3_0_0"], "a": [3]})
+    assert server.stop(signal.SIGTERM) == 0
