@@ -862,6 +862,8 @@ class EmbeddedStore:
     def _table_stats(self, live: LiveTable, con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
         """One table's stats, on the writer thread between two groups (see ReadOp)."""
         name = live.tdef.name
+        if self._live.get(name) is not live:
+            raise self._no_table(name)  # dropped since stats() looked it up
         per_version = con.execute(
             f"SELECT policy_version, count(*), count(*) FILTER (WHERE consumed), "
             f"count(*) FILTER (WHERE stale AND NOT consumed), "
