@@ -273,6 +273,7 @@ EXPECTED_FLIGHT_TYPE = {
     "query_timeout": flight.FlightTimedOutError,
     "store_closed": flight.FlightUnavailableError,
     "unavailable": flight.FlightUnavailableError,
+    "table_full": flight.FlightUnavailableError,
     "storage_error": flight.FlightInternalError,
 }
 
