@@ -68,7 +68,7 @@ class ClaimCache:
 
     def admit(self, table: pa.Table) -> bool:
         """Count ``table`` if there is room; False: do not cache it."""
-        if self.used >= self.limit:
+        if self.full:
             return False
         self.hold(table)
         return True

@@ -40,7 +40,8 @@ from .errors import AlreadyExists, StoreClosed, ExpstoreError, InvalidArgument, 
 from .live import LOADING, Lease, LiveTable, Row
 from .naming import check_identifier, quote
 from .opening import connect_duckdb, ensure_catalog
-from .prepare import SMALL_ROWS, PreparedPut, check_columns, prepare_put, to_arrow_table
+from .prepare import SMALL_ROWS, PreparedPut, check_columns, prepare_put, put_versions, \
+    to_arrow_table
 from .putlog import PutLog, log_path, replay
 from .recovery import load_state
 from .schema import TableDef
@@ -280,13 +281,9 @@ class EmbeddedStore:
         return self._writer.submit(PutOp(prepared))
 
     def _keys_of(self, live: LiveTable, arrow: pa.Table) -> list[tuple[Any, Any]]:
-        """A small put's (sample id, policy version) keys, before the writer checks them."""
-        current = self._versions[live.tdef.version_group]
-        sids = arrow.column("sample_id").to_pylist()
-        if "policy_version" not in arrow.column_names:
-            return [(sid, current) for sid in sids]
-        versions = arrow.column("policy_version").to_pylist()
-        return [(sid, current if v is None else v) for sid, v in zip(sids, versions)]
+        """A small put's (sample id, policy version) keys, before the writer prepares it."""
+        versions = put_versions(arrow, self._versions[live.tdef.version_group])
+        return list(zip(arrow.column("sample_id").to_pylist(), versions.to_pylist()))
 
     def _check_room(self, live: LiveTable, keys: list[tuple[Any, Any]], limit: int) -> None:
         """Refuse a put that would take a table past ``max_live_rows``; rows it only updates

@@ -141,6 +141,15 @@ def check_columns(tdef: TableDef, table: pa.Table) -> list[str]:
     return names
 
 
+def put_versions(table: pa.Table, current_version: int) -> pa.Array:
+    """A write's policy versions: its ``policy_version`` column, nulls taken as the current
+    version, or the current version for every row."""
+    if "policy_version" not in table.column_names:
+        return pa.array(np.full(table.num_rows, current_version, np.int64))
+    versions = _as_type(table, "policy_version", pa.int64())
+    return pc.fill_null(versions, current_version) if versions.null_count else versions
+
+
 def prepare_put(tdef: TableDef, data: Any, current_version: int,
                 ref_threshold: int) -> PreparedPut:
     """Validate and convert one write (see :class:`PreparedPut`)."""
@@ -169,12 +178,7 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
             f"{{trajectory_id}}' with a non-empty input id and non-negative integer turn and "
             f"trajectory id (at most 9 digits each), at most {MAX_SAMPLE_ID} characters")
     n = table.num_rows
-    if "policy_version" in names:
-        versions = _as_type(table, "policy_version", pa.int64())
-        if versions.null_count:
-            versions = pc.fill_null(versions, current_version)
-    else:
-        versions = pa.array(np.full(n, current_version, np.int64))
+    versions = put_versions(table, current_version)
     finished = (_as_type(table, "finished_version", pa.int64()) if "finished_version" in names
                 else pa.nulls(n, pa.int64()))
 
