@@ -927,9 +927,15 @@ class EmbeddedStore:
         return Subscription(self, table, micro_batch_size, global_batch_size, **kwargs)
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok" if not self._closed else "closed", "tables": len(self._live),
-                "commits": self._writer.commits, "claim_cache_bytes": self.cache.used,
-                "claim_cache_limit": self.cache.limit}
+        """``status``: ok, closed, or failed (the writer stopped after an unexpected error, named
+        in ``error``; writes fail until the store is opened again)."""
+        fatal = self._writer.fatal
+        out = {"status": "closed" if self._closed else "failed" if fatal else "ok",
+               "tables": len(self._live), "commits": self._writer.commits,
+               "claim_cache_bytes": self.cache.used, "claim_cache_limit": self.cache.limit}
+        if fatal is not None:
+            out["error"] = repr(fatal)
+        return out
 
     def close(self) -> None:
         if self._closed:

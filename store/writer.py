@@ -199,6 +199,7 @@ class Writer:
         self._flush_due: float | None = None
         self._closed = False
         self._fatal: BaseException | None = None
+        self._taken: list[Op] = []  # the ops of the group being run
         self.commits = 0  # group commits: DuckDB transactions and put-log appends
         self._last_commit = time.monotonic()
         self._dirty_since_checkpoint = False
@@ -215,9 +216,15 @@ class Writer:
         if self._closed:
             raise StoreClosed("the store is closed")
         if self._fatal is not None:
-            raise StoreClosed(f"the store's writer stopped: {self._fatal}")
+            raise self._stopped()
         self._queue.put(op)
+        if self._fatal is not None:  # it stopped meanwhile, maybe after draining the queue
+            self._drain(self._stopped())
         return op.future
+
+    def _stopped(self) -> StoreClosed:
+        return StoreClosed(f"the store's writer stopped after an unexpected error: "
+                           f"{self._fatal!r}; open the store again (restart the server)")
 
     def call(self, op: Op, timeout: float | None = None) -> Any:
         return self.submit(op).result(timeout)
@@ -259,6 +266,32 @@ class Writer:
 
     # -- the loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
+        """Serve the queue; on an unexpected error (a bug, exhausted memory), stop loudly.
+
+        Why stop: memory may no longer match DuckDB after an error half-way through a group,
+        and going on could write on top of it. Why fail everything waiting: each write's caller
+        would otherwise wait for ever. What was acknowledged is durable; opening the store
+        again rebuilds memory from DuckDB and the put log.
+        """
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - logged, and told to every caller
+            self._fatal = e
+            log.critical("the store's writer stopped after an unexpected error; every write "
+                         "fails until the store is opened again (what was acknowledged is "
+                         "durable)", exc_info=True)
+            error = self._stopped()
+            for op in self._taken:
+                if not op.future.done():
+                    op.future.set_exception(error)
+            self._drain(error)
+
+    @property
+    def fatal(self) -> BaseException | None:
+        """The error that stopped the writer, if one did."""
+        return self._fatal
+
+    def _serve(self) -> None:
         while True:
             timeout = self._store._next_expiry_in()
             timeout = CHECKPOINT_IDLE_SECONDS if timeout is None else min(
@@ -283,6 +316,7 @@ class Writer:
                 self._maybe_checkpoint()
                 continue
             ops: list[Op] = []
+            self._taken = ops
             stop = first is None
             if isinstance(first, Op):
                 ops.append(first)
@@ -307,7 +341,7 @@ class Writer:
             if self._materialize_due() or (stop and self._logged):
                 self._materialize()
             if stop:
-                self._drain_closed()
+                self._drain(StoreClosed("the store is closed"))
                 return
 
     def _read(self, op: ReadOp) -> None:
@@ -332,14 +366,15 @@ class Writer:
         return now >= self._retry_at and (self.logged_rows >= MATERIALIZE_ROWS
                                           or now - self._logged_since >= MATERIALIZE_DELAY)
 
-    def _drain_closed(self) -> None:
+    def _drain(self, error: ExpstoreError) -> None:
+        """Fail every op still queued with ``error``."""
         while True:
             try:
                 op = self._queue.get_nowait()
             except queue.Empty:
                 return
             if isinstance(op, Op) and not op.future.done():
-                op.future.set_exception(StoreClosed("the store is closed"))
+                op.future.set_exception(error)
 
     def _maybe_checkpoint(self) -> None:
         """Start a CHECKPOINT once DuckDB has been idle a while.
