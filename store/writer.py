@@ -162,7 +162,10 @@ class _Txn:
 
     def __init__(self) -> None:
         self.applies: list[Callable[[], None]] = []
-        self.new_rows: dict[str, dict[tuple[str, int], int]] = {}  # table -> key -> row id
+        self._new_rows: dict[str, dict[tuple[str, int], int]] = {}  # table -> key -> row id
+        # Bulk puts' new keys (keys, first row id), put into _new_rows only if another put of
+        # the transaction asks: building a dict of 262,144 keys costs ~30 ms, ~6 % of the put.
+        self._new_runs: dict[str, list[tuple[list[tuple[str, int]], int]]] = {}
         self.next_row_id: dict[str, int] = {}
         # Rows that became ready without their values at hand (partial writes): their payload is
         # read from DuckDB once, after the commit, so claims need no read of their own.
@@ -176,6 +179,17 @@ class _Txn:
         # The cached values of a logged group's rows, which the claim cache may drop once
         # DuckDB has them: (live table, the rows' keys, the values' Arrow table).
         self.logged_values: list[tuple[LiveTable, list[tuple[str, int]], pa.Table]] = []
+
+    def new_rows(self, table: str) -> dict[tuple[str, int], int]:
+        """Keys new in ``table`` in this transaction and their row ids (callers may add)."""
+        rows = self._new_rows.setdefault(table, {})
+        for keys, first in self._new_runs.pop(table, ()):
+            rows.update(zip(keys, range(first, first + len(keys))))
+        return rows
+
+    def add_new_run(self, table: str, keys: list[tuple[str, int]], first: int) -> None:
+        """Record ``keys`` as new in ``table``, numbered from ``first`` (see :meth:`new_rows`)."""
+        self._new_runs.setdefault(table, []).append((keys, first))
 
 
 class Writer:
@@ -710,7 +724,7 @@ class Writer:
         """Run a run of consecutive puts, merging those with the same shape into one statement."""
         store = self._store
         batch: list[tuple[PreparedPut, pa.Table]] = []
-        batch_keys: set[tuple[str, int]] = set()
+        batch_keys: set[tuple[str, int]] | None = None  # built once a second put may join
         for i, op in puts:
             p = op.prepared
             live = store._live_table(p.table)
@@ -723,12 +737,15 @@ class Writer:
             else:
                 results[i] = {"rows": p.rows, "version": version}
                 txn.applies.append(functools.partial(store._count_put, p.rows))
-            if batch and (batch[0][0].signature() != p.signature()
-                          or not batch_keys.isdisjoint(p.keys)):
-                self._write_rows(txn, batch)
-                batch, batch_keys = [], set()
+            if batch:
+                if batch_keys is None:
+                    batch_keys = {k for q, _ in batch for k in q.keys}
+                if batch[0][0].signature() != p.signature() or not batch_keys.isdisjoint(p.keys):
+                    self._write_rows(txn, batch)
+                    batch, batch_keys = [], None
+                else:
+                    batch_keys.update(p.keys)
             batch.append((p, physical))
-            batch_keys.update(p.keys)
         if batch:
             self._write_rows(txn, batch)
 
@@ -767,11 +784,11 @@ class Writer:
         live = store._live_table(first.table)
         tname = first.table
         physical = pa.concat_tables([t for _, t in batch]) if len(batch) > 1 else batch[0][1]
-        keys = [k for p, _ in batch for k in p.keys]
+        keys = first.keys if len(batch) == 1 else [k for p, _ in batch for k in p.keys]
         set_mask = np.concatenate([p.set_mask for p, _ in batch])
         clear_mask = np.concatenate([p.clear_mask for p, _ in batch])
         n = len(keys)
-        txn_rows = txn.new_rows.setdefault(tname, {})
+        txn_rows = txn.new_rows(tname)
         next_id = txn.next_row_id.get(tname, live.next_row_id)
         terminal: set[int] = set()
         fresh = _all_fresh(live, txn_rows, keys)
@@ -779,7 +796,7 @@ class Writer:
             raise _NotLoggable("some rows may exist")
         if fresh:  # the bulk case: every row new, numbered in one step
             row_ids = np.arange(next_id, next_id + n, dtype=np.int64)
-            txn_rows.update(zip(keys, range(next_id, next_id + n)))
+            txn.add_new_run(tname, keys, next_id)
             next_id += n
             is_new = np.ones(n, bool)
         else:
@@ -1196,7 +1213,7 @@ def _all_fresh(live: LiveTable, txn_rows: dict[tuple[str, int], int],
     """
     terminal = live.terminal
     if terminal is None or not live.rows.keys().isdisjoint(keys) \
-            or not txn_rows.keys().isdisjoint(keys):
+            or (txn_rows and not txn_rows.keys().isdisjoint(keys)):
         return False
     if terminal:
         versions = {v for _, v in keys}

@@ -1,4 +1,5 @@
-"""Small puts are prepared by the writer, many at once (store/writer.py, ``SmallPutOp``).
+"""Small puts are prepared by the writer, many at once (store/writer.py, ``SmallPutOp``); bulk
+puts taken in one group share a transaction.
 
 Each test holds the writer inside a transaction while it queues puts, so that the puts are
 certainly taken as one group; then every caller must get its own answer, a bad put must fail
@@ -14,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from store.errors import InvalidArgument, NotFound, SchemaMismatch, StaleVersion
-from store.writer import CallOp
+from store.writer import LOG_PUT_ROWS, CallOp
 from thread_helpers import run_threads
 
 COLUMNS = {"prompt": "string", "reward": "float64"}
@@ -129,6 +130,33 @@ def test_merged_puts_store_what_puts_one_by_one_store(open_store, tmp_path):
     a, b = grouped.claim("t", 10), single.claim("t", 10)
     assert sorted(a.data.column("sample_id").to_pylist()) == \
         sorted(b.data.column("sample_id").to_pylist()) == ["x1_0_0", "x2_0_0", "x3_0_0"]
+
+
+def _bulk(prefix: str, ids: range, reward: float) -> pa.Table:
+    return pa.table({"sample_id": [f"{prefix}{i}_0_0" for i in ids],
+                     "reward": [reward] * len(ids)})
+
+
+def test_bulk_puts_of_one_group_that_rewrite_each_others_rows_store_what_one_by_one_store(
+        open_store, tmp_path):
+    # Over the put log's bound, so one DuckDB transaction: the second put rewrites half of the
+    # first's new rows (found among the transaction's new keys), the third is new again.
+    n = LOG_PUT_ROWS + 100
+    writes = [_bulk("b", range(n), 1.0), _bulk("b", range(n // 2, n + n // 2), 2.0),
+              _bulk("c", range(n), 3.0)]
+    grouped = open_store(str(tmp_path / "grouped.duckdb"))
+    single = open_store(str(tmp_path / "single.duckdb"))
+    for s in (grouped, single):
+        s.create_table("t", COLUMNS)
+    commits = grouped._writer.commits  # noqa: SLF001
+    with writer_held(grouped):
+        futures = [grouped.put_async("t", data) for data in writes]
+    for data, f in zip(writes, futures):
+        assert f.result(30) == single.put("t", data)
+    assert grouped._writer.commits - commits == 2  # noqa: SLF001 - the hold, then the 3 puts
+    assert grouped.query(SNAPSHOT.format("t")).to_pylist() == \
+        single.query(SNAPSHOT.format("t")).to_pylist()
+    assert grouped.stats("t")["t"]["rows"] == n + n // 2 + n
 
 
 def test_many_threads_of_one_sample_puts(open_store):
