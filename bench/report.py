@@ -20,6 +20,9 @@ COMPARISON: list[tuple[str, str, dict[str, str]]] = [
         "DuckDB": "duckdb_bulk.narrow_whole_rows_per_s",
         "Redis": "redis_streams.narrow_rows_per_s", "Ray": "ray_queue.narrow_rows_per_s",
         "expstore": "expstore_ingest.narrow_rows_per_s"}),
+    ("narrow ingest, CHECKPOINT counted", "rows/s", {
+        "DuckDB": "duckdb_bulk.narrow_whole_checkpointed_rows_per_s",
+        "expstore": "expstore_ingest.narrow_checkpointed_rows_per_s"}),
     ("wide ingest", "MB/s", {
         "raw Flight": "flight_raw.wide_mb_per_s", "DuckDB": "duckdb_bulk.wide_mb_per_s",
         "Redis": "redis_streams.wide_mb_per_s", "Ray": "ray_queue.wide_mb_per_s",
