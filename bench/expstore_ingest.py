@@ -60,11 +60,12 @@ def bulk_rate(s: Any, table: str, base: pa.Table, budget_s: float, max_puts: int
                 break
         elif settle is not None:
             settle()
-    if settle is None:
-        return units / secs, units / secs
-    t0 = time.perf_counter()
-    settle()
-    return units / secs, units / (secs + time.perf_counter() - t0)
+    settle_s = 0.0
+    if settle is not None:
+        t0 = time.perf_counter()
+        settle()
+        settle_s = time.perf_counter() - t0
+    return units / secs, units / (secs + settle_s)
 
 
 def put_one_op(uri: str, table: str) -> tuple[Any, Any]:

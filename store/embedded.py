@@ -930,7 +930,7 @@ class EmbeddedStore:
         """``status``: ok, closed, or failed (the writer stopped after an unexpected error, named
         in ``error``; writes fail until the store is opened again)."""
         fatal = self._writer.fatal
-        out = {"status": "closed" if self._closed else "failed" if fatal else "ok",
+        out = {"status": "closed" if self._closed else "ok" if fatal is None else "failed",
                "tables": len(self._live), "commits": self._writer.commits,
                "claim_cache_bytes": self.cache.used, "claim_cache_limit": self.cache.limit}
         if fatal is not None:
