@@ -39,7 +39,7 @@ from .errors import AlreadyExists, StoreClosed, ExpstoreError, InvalidArgument, 
     QueryRefused, QueryTimeout, StorageError, TableFull
 from .live import LOADING, Lease, LiveTable, Row
 from .naming import check_identifier, quote
-from .opening import connect_duckdb, ensure_catalog
+from .opening import connect_duckdb, ensure_catalog, run_checkpoint
 from .prepare import SMALL_ROWS, PreparedPut, check_columns, prepare_put, put_versions, \
     to_arrow_table
 from .putlog import PutLog, log_path, replay
@@ -919,7 +919,7 @@ class EmbeddedStore:
     def checkpoint(self) -> None:
         """Fold the WAL into the database file now."""
         self._writer.call(CallOp(lambda con: None))
-        self._writer.call(CallOp(lambda con: con.execute("CHECKPOINT")))
+        self._writer.call(CallOp(run_checkpoint))
 
     def subscribe(self, table: str, micro_batch_size: int, global_batch_size: int, **kwargs: Any):
         """A micro-batch subscription; see :class:`store.subscription.Subscription`."""
@@ -945,7 +945,7 @@ class EmbeddedStore:
             self._changed.notify_all()
         self._writer.close()  # applies what waits in the put log first, then closes it
         try:
-            self._con.execute("CHECKPOINT")
+            run_checkpoint(self._con)
         except duckdb.Error:
             pass
         with self._reader_lock:

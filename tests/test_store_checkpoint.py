@@ -1,0 +1,82 @@
+"""Checkpoints (store/opening.py ``run_checkpoint``, store/writer.py): run on every core, and by
+the writer between two groups once DuckDB's WAL is full, instead of inside a COMMIT."""
+from __future__ import annotations
+
+import os
+
+import duckdb
+
+import store
+from store import opening, writer
+
+COLUMNS = {"reward": "float64", "tag": "string"}
+ROWS = writer.LOG_PUT_ROWS + 1000  # over the put log's bound: committed to DuckDB's WAL
+
+
+def _rows(start: int, n: int = ROWS) -> dict:
+    return {"sample_id": [f"c{i}_0_0" for i in range(start, start + n)],
+            "reward": [i / 3 for i in range(start, start + n)],
+            "tag": [f"tag {i:032d}" for i in range(start, start + n)]}
+
+
+def _wal_bytes(path) -> int:
+    try:
+        return os.path.getsize(f"{path}.wal")
+    except OSError:
+        return 0
+
+
+def test_the_writer_checkpoints_a_full_wal_between_groups(db_path, monkeypatch, wait_until):
+    monkeypatch.setattr(writer, "CHECKPOINT_IDLE_SECONDS", 3600.0)  # no idle checkpoint
+    s = store.connect(db_path)
+    try:
+        s.create_table("t", COLUMNS)
+        s.put("t", _rows(0))
+        held = _wal_bytes(db_path)
+        assert held > 0  # under the threshold: the WAL keeps the rows
+        monkeypatch.setattr(writer, "WAL_CHECKPOINT_BYTES", held + 1)
+        s.put("t", _rows(ROWS))  # crosses it: the writer checkpoints after this group
+        wait_until(lambda: _wal_bytes(db_path) < held, timeout=30)
+        assert s.query("SELECT count(*) AS n, sum(reward) AS r FROM t").to_pylist() == \
+            [{"n": 2 * ROWS, "r": sum(i / 3 for i in range(2 * ROWS))}]
+        # the checkpoint's threads given back (a global setting; the query path refuses it)
+        cursor = s._con.cursor()  # noqa: SLF001
+        assert cursor.execute("SELECT current_setting('threads')").fetchall() == \
+            [(opening.duckdb_threads(),)]
+        cursor.close()
+    finally:
+        s.close()
+    with store.connect(db_path) as again:
+        assert again.stats("t")["t"]["rows"] == 2 * ROWS
+
+
+class _Recorded:
+    """A DuckDB connection that remembers the statements it ran."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+        self.con = con
+        self.statements: list[str] = []
+
+    def execute(self, sql: str):
+        self.statements.append(sql)
+        return self.con.execute(sql)
+
+
+def test_a_checkpoint_runs_on_every_core_then_gives_duckdb_its_threads_back(tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.delenv("EXPSTORE_DUCKDB_THREADS", raising=False)
+    monkeypatch.setattr(opening, "_cores", lambda: 4)
+    con = duckdb.connect(str(tmp_path / "x.duckdb"), config={"threads": 3})
+    try:
+        con.execute("CREATE TABLE t AS SELECT range AS x FROM range(1000)")
+        recorded = _Recorded(con)
+        opening.run_checkpoint(recorded)
+        assert recorded.statements == ["SET threads = 4", "CHECKPOINT", "SET threads = 3"]
+        assert con.execute("SELECT current_setting('threads')").fetchall() == [(3,)]
+        # threads set by hand are kept for checkpoints too
+        monkeypatch.setenv("EXPSTORE_DUCKDB_THREADS", "2")
+        recorded = _Recorded(con)
+        opening.run_checkpoint(recorded)
+        assert recorded.statements == ["CHECKPOINT"]
+    finally:
+        con.close()
