@@ -228,6 +228,7 @@ class Writer:
                                                  thread_name_prefix="expstore-checkpoint")
         self._checkpointing: Future | None = None
         self._wal_path = f"{store.path}.wal"
+        self._wal_retry_at = 0.0  # after a deferred checkpoint of a full WAL, when to try again
         self._thread = threading.Thread(target=self._loop, name="expstore-writer", daemon=True)
         self._thread.start()
 
@@ -429,13 +430,14 @@ class Writer:
             size = os.path.getsize(self._wal_path)
         except OSError:  # no WAL: nothing committed since the last checkpoint
             return
-        if size < WAL_CHECKPOINT_BYTES:
+        if size < WAL_CHECKPOINT_BYTES or time.monotonic() < self._wal_retry_at:
             return
         try:
             run_checkpoint(self._con)
             self._dirty_since_checkpoint = False
         except duckdb.Error as e:  # a reader's snapshot can defer it; DuckDB's threshold remains
-            log.warning("checkpoint of a %d MB WAL deferred: %s", size >> 20, e)
+            self._wal_retry_at = time.monotonic() + 1.0
+            log.debug("checkpoint of a %d MB WAL deferred: %s", size >> 20, e)
 
     def _checkpoint_finished(self) -> None:
         """Wait for a running idle checkpoint (before any DuckDB transaction of the writer)."""
