@@ -53,6 +53,9 @@ class StoreCollector(Collector):
                                 "writer", value=s._writer.queue_depth)
         yield GaugeMetricFamily("expstore_claim_cache_bytes", "bytes of ready rows' values held "
                                 "so that claims need no DuckDB read", value=s.cache.used)
+        yield GaugeMetricFamily("expstore_writer_up", "1 while the store's writer runs; 0 once "
+                                "an unexpected error stopped it (restart the server)",
+                                value=0 if s._writer.fatal else 1)
 
 
 class Metrics:

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import store
+from store.errors import StoreClosed
 from flight_server.server import ExpstoreFlightServer
 
 import reliability_helpers as rh
@@ -123,3 +124,17 @@ def test_metrics_move_under_load(server):
         t0 = time.monotonic()
         scrape(server.metrics_port)
         assert time.monotonic() - t0 < 2.0
+
+
+def test_writer_up_drops_to_zero_when_the_writer_stops(server, monkeypatch):
+    with store.connect(server.location) as s:
+        s.create_table("u", {"reward": "float64"})
+        assert scrape(server.metrics_port)[("expstore_writer_up", ())] == 1
+
+        def broken(ops):
+            raise RuntimeError("injected writer bug")
+
+        monkeypatch.setattr(server.store._writer, "_run_group", broken)  # noqa: SLF001
+        with pytest.raises(StoreClosed, match="injected writer bug"):
+            s.put("u", {"sample_id": ["a_0_0"], "reward": [1.0]})
+        assert scrape(server.metrics_port)[("expstore_writer_up", ())] == 0
