@@ -432,12 +432,10 @@ class Writer:
             return
         if size < WAL_CHECKPOINT_BYTES or time.monotonic() < self._wal_retry_at:
             return
-        try:
-            run_checkpoint(self._con)
+        if _checkpoint(self._con.cursor()):
             self._dirty_since_checkpoint = False
-        except duckdb.Error as e:  # a reader's snapshot can defer it; DuckDB's threshold remains
+        else:  # deferred (a reader's snapshot); DuckDB's own threshold remains behind it
             self._wal_retry_at = time.monotonic() + 1.0
-            log.debug("checkpoint of a %d MB WAL deferred: %s", size >> 20, e)
 
     def _checkpoint_finished(self) -> None:
         """Wait for a running idle checkpoint (before any DuckDB transaction of the writer)."""
@@ -1298,7 +1296,7 @@ def _checkpoint(cursor: duckdb.DuckDBPyConnection) -> bool:
     try:
         run_checkpoint(cursor)
         return True
-    except duckdb.Error as e:  # a reader holding a snapshot can defer it; retried when idle
+    except duckdb.Error as e:  # a reader holding a snapshot can defer it; the caller retries
         log.debug("checkpoint deferred: %s", e)
         return False
     finally:
