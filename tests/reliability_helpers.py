@@ -224,3 +224,11 @@ def reward_of(sample_id: str) -> float:
 def response_of(sample_id: str, big: bool) -> str:
     """Short (by value) or long (by reference, > 512 bytes) text derived from the id."""
     return (sample_id + "|") * (80 if big else 1)
+
+
+def inject_writer_bug(monkeypatch: Any, s: Any) -> None:
+    """Make an embedded store's writer thread fail on its next group, as a bug in it would."""
+    def broken(ops: Any) -> None:
+        raise RuntimeError("injected writer bug")
+
+    monkeypatch.setattr(s._writer, "_run_group", broken)  # noqa: SLF001

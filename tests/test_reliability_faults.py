@@ -315,20 +315,12 @@ def test_database_from_a_newer_catalog_version_is_refused(tmp_path):
 
 
 # -- a bug in the writer -----------------------------------------------------------------------
-def _inject_writer_bug(monkeypatch, s) -> None:
-    """Make the store's writer thread fail on its next group, as a bug in it would."""
-    def broken(ops):
-        raise RuntimeError("injected writer bug")
-
-    monkeypatch.setattr(s._writer, "_run_group", broken)
-
-
 def test_a_writer_stopped_by_a_bug_fails_writes_instead_of_leaving_them_waiting(
         open_store, db_path, monkeypatch):
     s = open_store()
     s.create_table("t", {"x": "float64"})
     s.put("t", {"sample_id": ["kept_0_0"], "x": [1.0]})
-    _inject_writer_bug(monkeypatch, s)
+    rh.inject_writer_bug(monkeypatch, s)
     waiting = s.put_async("t", {"sample_id": ["lost_0_0"], "x": [2.0]})
     with pytest.raises(StoreClosed, match="injected writer bug"):
         waiting.result(30)  # failed, not left waiting for ever
@@ -349,7 +341,7 @@ def test_a_server_whose_writer_stopped_answers_store_closed_and_reports_failed(
         with running_server(embedded) as server:
             with store.connect(server.location) as s:
                 s.create_table("t", {"x": "float64"})
-                _inject_writer_bug(monkeypatch, embedded)
+                rh.inject_writer_bug(monkeypatch, embedded)
                 with pytest.raises(StoreClosed, match="injected writer bug"):
                     s.put("t", {"sample_id": ["a_0_0"], "x": [1.0]})
                 health = s.health()

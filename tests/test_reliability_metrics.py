@@ -130,11 +130,7 @@ def test_writer_up_drops_to_zero_when_the_writer_stops(server, monkeypatch):
     with store.connect(server.location) as s:
         s.create_table("u", {"reward": "float64"})
         assert scrape(server.metrics_port)[("expstore_writer_up", ())] == 1
-
-        def broken(ops):
-            raise RuntimeError("injected writer bug")
-
-        monkeypatch.setattr(server.store._writer, "_run_group", broken)  # noqa: SLF001
+        rh.inject_writer_bug(monkeypatch, server.store)
         with pytest.raises(StoreClosed, match="injected writer bug"):
             s.put("u", {"sample_id": ["a_0_0"], "reward": [1.0]})
         assert scrape(server.metrics_port)[("expstore_writer_up", ())] == 0
