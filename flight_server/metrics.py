@@ -55,7 +55,7 @@ class StoreCollector(Collector):
                                 "so that claims need no DuckDB read", value=s.cache.used)
         yield GaugeMetricFamily("expstore_writer_up", "1 while the store's writer runs; 0 once "
                                 "an unexpected error stopped it (restart the server)",
-                                value=0 if s._writer.fatal else 1)
+                                value=1 if s._writer.fatal is None else 0)
 
 
 class Metrics:
