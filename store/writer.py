@@ -80,6 +80,9 @@ LOG_PUT_ROWS = 4096
 # not (3.5-4 ms); the row bound keeps one apply of bulk puts short (~30 ms for narrow rows).
 MATERIALIZE_ROWS = 16384
 MATERIALIZE_DELAY = 0.5
+# While a checkpoint runs (seconds for a full WAL), logged rows wait for it up to this many:
+# inserting them would wait for the checkpoint, and so would every write behind them.
+MATERIALIZE_MAX_ROWS = 262144
 
 
 _WAKE = object()  # queued by Writer.poke
@@ -223,7 +226,7 @@ class Writer:
         self._last_commit = time.monotonic()
         self._dirty_since_checkpoint = False
         self._blob_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expstore-blob-io")
-        # The idle CHECKPOINT runs on a thread (and cursor) of its own: see _maybe_checkpoint.
+        # CHECKPOINTs run on a thread (and cursor) of their own: see _maybe_checkpoint.
         self._checkpoint_io = ThreadPoolExecutor(max_workers=1,
                                                  thread_name_prefix="expstore-checkpoint")
         self._checkpointing: Future | None = None
@@ -319,7 +322,8 @@ class Writer:
                 timeout, CHECKPOINT_IDLE_SECONDS)
             if self._flush_due is not None:
                 timeout = max(0.0, min(timeout, self._flush_due - time.monotonic()))
-            if self._logged_since is not None:
+            if self._logged_since is not None and not self._checkpoint_running():
+                # (a running checkpoint wakes the loop when it ends: see _start_checkpoint)
                 timeout = max(0.0, min(timeout, max(self._logged_since + MATERIALIZE_DELAY,
                                                     self._retry_at) - time.monotonic()))
             try:
@@ -384,6 +388,8 @@ class Writer:
     def _materialize_due(self) -> bool:
         if self._logged_since is None:
             return False
+        if self._checkpoint_running() and self.logged_rows < MATERIALIZE_MAX_ROWS:
+            return False
         now = time.monotonic()
         return now >= self._retry_at and (self.logged_rows >= MATERIALIZE_ROWS
                                           or now - self._logged_since >= MATERIALIZE_DELAY)
@@ -408,41 +414,51 @@ class Writer:
         (~10-20 ms for a small WAL, seconds for a large one). The writer's own DuckDB
         transactions wait for it (see _checkpoint_finished).
         """
-        if self._checkpointing is not None and self._checkpointing.done():
-            self._checkpoint_finished()
-        if self._checkpointing is not None or not self._dirty_since_checkpoint or \
+        if self._checkpoint_running() or not self._dirty_since_checkpoint or \
                 time.monotonic() - self._last_commit < CHECKPOINT_IDLE_SECONDS:
             return
-        self._dirty_since_checkpoint = False
-        self._checkpointing = self._checkpoint_io.submit(_checkpoint, self._con.cursor())
+        self._start_checkpoint()
 
     def _checkpoint_if_wal_full(self) -> None:
-        """CHECKPOINT now, on every core, once DuckDB's WAL holds WAL_CHECKPOINT_BYTES.
+        """Start a CHECKPOINT, on every core, once DuckDB's WAL holds WAL_CHECKPOINT_BYTES.
 
         Why not DuckDB's own threshold: under sustained ingest (no idle time) DuckDB checkpoints
         inside the COMMIT that crosses it, on its one thread: a put of 262,144 narrow rows took
-        ~5 s instead of 0.5 every ~3 M rows. Here the same checkpoint runs between two groups
-        with every core (half the time on 2 cores); writes wait for it either way.
+        ~5 s instead of 0.5 every ~3 M rows, and every write waited behind it. Here the same
+        checkpoint runs on the checkpoint thread with every core (half the time on 2 cores),
+        as an idle one does: meanwhile puts, acks and bumps that the put log takes go on.
         """
-        if self._checkpointing is not None:
-            return  # an idle checkpoint is running: the next transaction waits for it anyway
+        if self._checkpoint_running():
+            return
         try:
             size = os.path.getsize(self._wal_path)
         except OSError:  # no WAL: nothing committed since the last checkpoint
             return
-        if size < WAL_CHECKPOINT_BYTES or time.monotonic() < self._wal_retry_at:
-            return
-        if _checkpoint(self._con.cursor()):
-            self._dirty_since_checkpoint = False
-        else:  # deferred (a reader's snapshot); DuckDB's own threshold remains behind it
-            self._wal_retry_at = time.monotonic() + 1.0
+        if size >= WAL_CHECKPOINT_BYTES and time.monotonic() >= self._wal_retry_at:
+            self._start_checkpoint()
+
+    def _start_checkpoint(self) -> None:
+        self._dirty_since_checkpoint = False
+        self._checkpointing = self._checkpoint_io.submit(_checkpoint, self._con.cursor())
+        # wake the loop when it ends: logged rows may be waiting for it (_materialize_due)
+        self._checkpointing.add_done_callback(lambda _: self._queue.put(_WAKE))
+
+    def _checkpoint_running(self) -> bool:
+        """Whether a checkpoint is running on the checkpoint thread (one that ended is
+        reaped)."""
+        if self._checkpointing is not None and self._checkpointing.done():
+            self._checkpoint_finished()
+        return self._checkpointing is not None
 
     def _checkpoint_finished(self) -> None:
-        """Wait for a running idle checkpoint (before any DuckDB transaction of the writer)."""
+        """Wait for a running checkpoint (before any DuckDB transaction of the writer)."""
         if self._checkpointing is not None:
             running, self._checkpointing = self._checkpointing, None
             if not running.result():
-                self._dirty_since_checkpoint = True  # deferred: try again when next idle
+                # deferred (a reader's snapshot): again when next idle, or in a second if the
+                # WAL is full; DuckDB's own threshold remains behind it
+                self._dirty_since_checkpoint = True
+                self._wal_retry_at = time.monotonic() + 1.0
 
     def _run_group(self, ops: list[Op]) -> None:
         given = len(ops)

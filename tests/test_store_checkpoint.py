@@ -3,6 +3,8 @@ the writer between two groups once DuckDB's WAL is full, instead of inside a COM
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import duckdb
 
@@ -48,6 +50,49 @@ def test_the_writer_checkpoints_a_full_wal_between_groups(db_path, monkeypatch, 
         s.close()
     with store.connect(db_path) as again:
         assert again.stats("t")["t"]["rows"] == 2 * ROWS
+
+
+def test_writes_the_put_log_takes_go_on_while_a_full_wal_is_checkpointed(db_path, monkeypatch,
+                                                                          wait_until):
+    """The checkpoint of a full WAL runs on the checkpoint thread: a small put, a claim's ack
+    and a version bump are answered while it runs (held here until they are), and nothing is
+    lost once it ends."""
+    monkeypatch.setattr(writer, "CHECKPOINT_IDLE_SECONDS", 3600.0)  # no idle checkpoint
+    started, release = threading.Event(), threading.Event()
+    real = writer._checkpoint  # noqa: SLF001
+
+    def held_checkpoint(cursor):
+        started.set()
+        release.wait(60)
+        return real(cursor)
+
+    monkeypatch.setattr(writer, "_checkpoint", held_checkpoint)
+    s = store.connect(db_path)
+    calls = ThreadPoolExecutor(max_workers=1)
+    try:
+        s.create_table("t", COLUMNS)
+        s.put("t", _rows(0))
+        monkeypatch.setattr(writer, "WAL_CHECKPOINT_BYTES", _wal_bytes(db_path) + 1)
+        s.put("t", _rows(ROWS))  # crosses it: the writer starts the checkpoint after this group
+        assert started.wait(30)
+        small = _rows(2 * ROWS, 10)
+        assert calls.submit(s.put, "t", small).result(10)["rows"] == 10
+        claim = s.claim("t", 16)
+        assert calls.submit(s.ack, claim.claim_id).result(10)["acked"] == 16
+        assert calls.submit(s.bump_version, "t").result(10) == 1
+        assert not release.is_set() and s._writer.logged_rows > 0  # noqa: SLF001
+        release.set()
+        wait_until(lambda: _wal_bytes(db_path) == 0 or s._writer.logged_rows == 0,  # noqa: SLF001
+                   timeout=30)
+        assert s.query("SELECT count(*) AS n, count(*) FILTER (consumed) AS acked FROM t"
+                       ).to_pylist() == [{"n": 2 * ROWS + 10, "acked": 16}]
+    finally:
+        release.set()
+        calls.shutdown()
+        s.close()
+    with store.connect(db_path) as again:
+        assert again.stats("t")["t"]["rows"] == 2 * ROWS + 10
+        assert again.get_version("t") == 1
 
 
 class _Recorded:
