@@ -232,6 +232,10 @@ class Writer:
         self._checkpointing: Future | None = None
         self._wal_path = f"{store.path}.wal"
         self._wal_retry_at = 0.0  # after a deferred checkpoint of a full WAL, when to try again
+        # Whether the WAL may have reached WAL_CHECKPOINT_BYTES since it was last measured: only
+        # the writer's DuckDB commits grow it, so groups made durable in the put log (a
+        # trainer's acks, small puts) do not measure it again.
+        self._wal_may_be_full = True
         self._thread = threading.Thread(target=self._loop, name="expstore-writer", daemon=True)
         self._thread.start()
 
@@ -428,14 +432,16 @@ class Writer:
         checkpoint runs on the checkpoint thread with every core (half the time on 2 cores),
         as an idle one does: meanwhile puts, acks and bumps that the put log takes go on.
         """
-        if self._checkpoint_running():
+        if not self._wal_may_be_full or self._checkpoint_running():
             return
         try:
             size = os.path.getsize(self._wal_path)
         except OSError:  # no WAL: nothing committed since the last checkpoint
-            return
-        if size >= WAL_CHECKPOINT_BYTES and time.monotonic() >= self._wal_retry_at:
-            self._start_checkpoint()
+            size = 0
+        if size < WAL_CHECKPOINT_BYTES:
+            self._wal_may_be_full = False
+        elif time.monotonic() >= self._wal_retry_at:
+            self._start_checkpoint()  # measured again once it ends (deferred: still full)
 
     def _start_checkpoint(self) -> None:
         self._dirty_since_checkpoint = False
@@ -631,6 +637,7 @@ class Writer:
         self.commits += 1
         self._last_commit = time.monotonic()
         self._dirty_since_checkpoint = True
+        self._wal_may_be_full = True
         if logged:
             self._logged_committed()
         self._apply(txn)

@@ -52,6 +52,37 @@ def test_the_writer_checkpoints_a_full_wal_between_groups(db_path, monkeypatch, 
         assert again.stats("t")["t"]["rows"] == 2 * ROWS
 
 
+def test_only_duckdb_commits_make_the_writer_measure_the_wal(db_path, monkeypatch):
+    """Groups made durable in the put log (acks, small puts) leave DuckDB's WAL as it was, so
+    the writer does not stat it after them; after a DuckDB commit it does."""
+    monkeypatch.setattr(writer, "CHECKPOINT_IDLE_SECONDS", 3600.0)  # no idle checkpoint
+    monkeypatch.setattr(writer, "MATERIALIZE_DELAY", 3600.0)  # logged rows stay logged
+    wal = f"{db_path}.wal"
+    measured: list[str] = []
+    real_getsize = os.path.getsize
+
+    def getsize(path):
+        if os.fspath(path) == wal:
+            measured.append(path)
+        return real_getsize(path)
+
+    monkeypatch.setattr(writer.os.path, "getsize", getsize)
+    s = store.connect(db_path)
+    try:
+        s.create_table("t", COLUMNS)
+        s.put("t", _rows(0))
+        assert measured  # a DuckDB commit: measured
+        measured.clear()
+        for i in range(20):  # logged groups: a small put, a claim's ack
+            s.put("t", _rows(ROWS + i, 1))
+            s.ack(s.claim("t", 4).claim_id)
+        assert s._writer.logged_rows > 0 and measured == []  # noqa: SLF001
+        s.put("t", _rows(2 * ROWS))  # over the put log's bound: DuckDB again
+        assert measured
+    finally:
+        s.close()
+
+
 def test_writes_the_put_log_takes_go_on_while_a_full_wal_is_checkpointed(db_path, monkeypatch,
                                                                           wait_until):
     """The checkpoint of a full WAL runs on the checkpoint thread: a small put, a claim's ack
