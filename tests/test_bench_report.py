@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.context import Metric, Results
-from bench.report import MD_BEGIN, MD_END, write_markdown
+from bench.report import MD_BEGIN, MD_END, SUMMARY_BEGIN, SUMMARY_END, write_markdown
 
 META = {"date": "2026-11-21 00:00 UTC", "revision": "abc1234", "command": "python -m bench",
         "machine": "2 cores", "versions": "pyarrow 26", "load": "0.1 / 0.1 / 0.1"}
@@ -21,15 +21,19 @@ def _results(**figures: float) -> Results:
 
 def test_the_section_is_replaced_in_place_with_targets_and_linked_plots(tmp_path):
     md = tmp_path / "BENCHMARKS.md"
-    md.write_text(f"# Benchmarks\n\nhand-written text\n\n{MD_BEGIN}\nold figures\n{MD_END}\n"
-                  "\n## After\n")
+    md.write_text(f"# Benchmarks\n\n{SUMMARY_BEGIN}\nold targets\n{SUMMARY_END}\n\n"
+                  f"hand-written text\n\n{MD_BEGIN}\nold figures\n{MD_END}\n\n## After\n")
     plot = tmp_path / "docs" / "bench" / "latency.png"
     results = _results(expstore_claims__claim16_p50_ms=0.6, flight_raw__call_p50_ms=0.4,
                        expstore_claims__deliver_p50_ms=7.0)
     write_markdown(md, results, META, [plot])
     text = md.read_text()
     assert "hand-written text" in text and "## After" in text and "old figures" not in text
+    assert "old targets" not in text
     assert text.count(MD_BEGIN) == text.count(MD_END) == 1
+    assert text.count(SUMMARY_BEGIN) == text.count(SUMMARY_END) == 1
+    # The targets come first (the reader's first screen), the figures after the prose.
+    assert text.index("### Targets") < text.index("hand-written text") < text.index("### All")
     assert "![latency](docs/bench/latency.png)" in text
     lines = text.splitlines()
     claim = next(line for line in lines if line.startswith("| claim-16 p50 vs raw"))
@@ -46,6 +50,7 @@ def test_without_markers_the_section_is_appended(tmp_path: Path):
     write_markdown(md, _results(flight_raw__call_p50_ms=0.4), META)
     text = md.read_text()
     assert text.startswith("# B\n") and MD_BEGIN in text and "### Plots" not in text
+    assert SUMMARY_BEGIN in text and text.index(SUMMARY_BEGIN) < text.index(MD_BEGIN)
 
 
 def test_a_value_just_short_of_its_bound_does_not_round_onto_it():
