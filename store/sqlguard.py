@@ -36,10 +36,19 @@ MAX_SQL_CHARS = 100_000
 # Characters of file paths, URLs, extensions and globs; no store or catalog table name has them.
 _PATH_CHARS = "/\\.:*?~"
 
-# A private in-memory database only parses; it never sees the store's data.
-_parser = duckdb.connect(":memory:")
+# A private in-memory database only parses; it never sees the store's data. It is opened on the
+# first check, not at import: a remote client imports this module and never parses SQL.
+_parser: duckdb.DuckDBPyConnection | None = None
 _parser_lock = threading.Lock()
-atexit.register(_parser.close)
+
+
+def _parse_tree(sql: str) -> Any:
+    global _parser
+    with _parser_lock:
+        if _parser is None:
+            _parser = duckdb.connect(":memory:")
+            atexit.register(_parser.close)
+        return _parser.execute("SELECT json_serialize_sql(?::VARCHAR)", [sql]).fetchone()
 
 
 def check_select(sql: object) -> str:
@@ -90,8 +99,7 @@ def check_predicate(where: object) -> str:
 
 def _functions(sql: str) -> Iterator[tuple[str, str]]:
     """Every function call in the statement's syntax tree, as (name, 'scalar' | 'table')."""
-    with _parser_lock:
-        raw = _parser.execute("SELECT json_serialize_sql(?::VARCHAR)", [sql]).fetchone()
+    raw = _parse_tree(sql)
     tree = json.loads(raw[0]) if raw else {}
     if tree.get("error"):
         raise QueryRefused(f"query does not parse: {tree.get('error_message', 'unknown error')}")
