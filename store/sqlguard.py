@@ -6,7 +6,9 @@ Two layers, so that one mistake is not enough:
    configuration locked (see :mod:`store.embedded`), so no query can read files, attach databases,
    load extensions or change settings whatever this module lets through;
 2. here, each query is parsed by DuckDB itself: exactly one statement, of type SELECT, whose syntax
-   tree calls no function that reads files, runs SQL from strings or touches the environment.
+   tree calls no function that reads files, runs SQL from strings or touches the environment,
+   and reads none of the system views that show the server (its settings, the database's
+   absolute path, secret and extension directories, its log).
 """
 from __future__ import annotations
 
@@ -30,8 +32,15 @@ DENIED_FUNCTION_PREFIXES = (
     "read_", "glob", "getenv", "pragma", "query", "sniff", "parquet_", "json_execute",
     "checkpoint", "force_checkpoint", "setseed", "install", "load", "export_", "import_",
     "current_setting", "duckdb_secrets", "duckdb_settings", "duckdb_extensions", "iceberg",
-    "delta_", "sqlite_", "postgres_", "mysql_", "http", "s3",
+    "delta_", "sqlite_", "postgres_", "mysql_", "http", "s3", "getvariable", "write_log",
+    "sleep_ms", "pg_sleep", "nextval", "setval", "currval", "which_secret", "user_agent",
 )
+# DuckDB's built-in views over those functions: readers of the store have no business with the
+# server's settings (``pg_settings``), the database file's absolute path (``duckdb_databases``,
+# ``pragma_database_list``) or its log. Matched by name whatever the schema (``system.main.x``);
+# user tables cannot have these names (``duckdb_`` and ``pg_`` are reserved prefixes).
+DENIED_VIEWS = frozenset({"duckdb_databases", "pragma_database_list", "duckdb_logs",
+                          "pg_settings", "pg_prepared_statements"})
 MAX_SQL_CHARS = 100_000
 # Characters of file paths, URLs, extensions and globs; no store or catalog table name has them.
 _PATH_CHARS = "/\\.:*?~"
@@ -78,6 +87,11 @@ def check_select(sql: object) -> str:
             raise QueryRefused(f"table {name!r} looks like a file path or URL; the query path "
                                "reads only the store's tables")
         lowered = name.lower()
+        if where == "view":
+            if lowered in DENIED_VIEWS:
+                raise QueryRefused(f"system view {name!r} is refused on the query path: it shows "
+                                   "the server's settings, files or log")
+            continue
         if where == "table" and lowered not in ALLOWED_TABLE_FUNCTIONS:
             raise QueryRefused(f"table function {name!r} is refused on the query path; allowed: "
                                f"{', '.join(sorted(ALLOWED_TABLE_FUNCTIONS))}")
@@ -98,7 +112,9 @@ def check_predicate(where: object) -> str:
 
 
 def _functions(sql: str) -> Iterator[tuple[str, str]]:
-    """Every function call in the statement's syntax tree, as (name, 'scalar' | 'table')."""
+    """Every function call and base table in the statement's syntax tree, as (name, kind):
+    kind is 'scalar', 'table' (a table function), 'view' (a base table or view), 'file' (a
+    replacement scan of a path) or 'statement' (a data-modifying node)."""
     raw = _parse_tree(sql)
     tree = json.loads(raw[0]) if raw else {}
     if tree.get("error"):
@@ -113,6 +129,8 @@ def _walk(node: Any) -> Iterator[tuple[str, str]]:
         if node.get("type") == "BASE_TABLE" and any(
                 ch in str(node.get("table_name", "")) for ch in _PATH_CHARS):
             yield str(node["table_name"]), "file"
+        elif node.get("type") == "BASE_TABLE" and "table_name" in node:
+            yield str(node["table_name"]), "view"
         kind = node.get("type")
         if isinstance(kind, str) and kind.endswith("_QUERY_NODE"):
             yield kind, "statement"  # DELETE/UPDATE/INSERT… nodes, e.g. a data-modifying CTE

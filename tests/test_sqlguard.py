@@ -24,6 +24,11 @@ ALLOWED = [
     "FROM t SELECT x",
     "SELECT ?::INT",
     "SELECT * FROM main.t",
+    # catalog views that name tables and columns but show no path or setting stay readable
+    "SELECT * FROM information_schema.columns",
+    "SELECT * FROM duckdb_tables",
+    "SELECT datname FROM pg_database",
+    "SELECT current_database()",
 ]
 
 
@@ -68,6 +73,37 @@ REFUSED = [
     ("SELECT * FROM 's3://bucket/x'", "s3://bucket/x"),
     ("SELECT * FROM t JOIN '~/x.csv' USING (a)", "~/x.csv"),
     ("SELECT * FROM pragma_table_info('t')", "pragma_table_info"),
+    # the server's settings, the database's path, secrets, extensions and log (issue #29, item 7)
+    *[(sql, named) for sql, named in (
+        ("SELECT * FROM pg_settings", "pg_settings"),
+        ("SELECT name, setting FROM pg_catalog.pg_settings", "pg_settings"),
+        ('SELECT * FROM "PG_SETTINGS"', "pg_settings"),
+        ("SELECT * FROM duckdb_databases", "duckdb_databases"),
+        ("SELECT path FROM system.main.duckdb_databases", "duckdb_databases"),
+        ("SELECT * FROM duckdb_databases()", "duckdb_databases"),
+        ("SELECT * FROM pragma_database_list", "pragma_database_list"),
+        ("SELECT * FROM pragma_database_list()", "pragma_database_list"),
+        ("SELECT * FROM duckdb_logs", "duckdb_logs"),
+        ("SELECT * FROM pg_prepared_statements", "pg_prepared_statements"),
+        ("SELECT * FROM duckdb_settings()", "duckdb_settings"),
+        ("SELECT * FROM duckdb_secrets()", "duckdb_secrets"),
+        ("SELECT install_path FROM duckdb_extensions()", "duckdb_extensions"),
+        ("SELECT * FROM duckdb_temporary_files()", "duckdb_temporary_files"),
+        ("SELECT * FROM duckdb_memory()", "duckdb_memory"),
+        ("SELECT * FROM which_secret('s3://x', 's3')", "which_secret"),
+        ("SELECT current_setting('temp_directory')", "current_setting"),
+        ("SELECT current_setting('secret_directory')", "current_setting"),
+        ("SELECT getenv('PATH')", "getenv"),
+        ("SELECT getvariable('x')", "getvariable"),
+        ("SELECT write_log('x')", "write_log"),
+        ("SELECT sleep_ms(100000)", "sleep_ms"),
+        ("SELECT pg_sleep(100)", "pg_sleep"),
+        ("SELECT nextval('s')", "nextval"),
+        ("SELECT * FROM t WHERE x IN (SELECT path FROM duckdb_databases)", "duckdb_databases"),
+        ("WITH s AS (SELECT * FROM pg_settings) SELECT * FROM s", "pg_settings"),
+        ("PRAGMA database_list", None),
+        ("PRAGMA show_databases", None),
+    )],
     ("SELEC 1", "parse"),
     ("", None),
 ]
@@ -127,3 +163,32 @@ def test_database_itself_refuses_external_access(tmp_path):
     finally:
         con.close()
     assert not (tmp_path / "out.csv").exists() and not (tmp_path / "other.duckdb").exists()
+
+
+def test_no_readable_system_view_shows_the_server(tmp_path):
+    """Every built-in view and every allowed table function, read through the real store: each
+    is refused, or shows neither the database's directory nor a setting's value."""
+    import store
+    from store.sqlguard import ALLOWED_TABLE_FUNCTIONS
+    s = store.connect(str(tmp_path / "x.duckdb"))
+    try:
+        s.create_table("solver", {"reward": "float64"})
+        views = s.query("SELECT schema_name, view_name FROM duckdb_views() WHERE internal")
+        sources = [f'"{schema}"."{name}"' for schema, name in
+                   zip(*(views.column(i).to_pylist() for i in range(2)))]
+        sources += [f"{fn}()" for fn in sorted(ALLOWED_TABLE_FUNCTIONS)
+                    if fn not in ("unnest", "range", "generate_series")]
+        assert len(sources) > 40, sources
+        readable = 0
+        for source in sources:
+            try:
+                rows = s.query(f"SELECT * FROM {source}").to_pylist()
+            except QueryRefused:
+                continue
+            readable += 1
+            text = repr(rows)
+            assert str(tmp_path) not in text, (source, text[:300])
+            assert "secret_directory" not in text and "temp_directory" not in text, source
+        assert readable > 30  # the catalog views people use stay readable
+    finally:
+        s.close()
