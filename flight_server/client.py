@@ -101,9 +101,16 @@ class RemoteStore:
         return json.loads(self._action(name, body, timeout)[0])
 
     # -- tables --------------------------------------------------------------------------------
-    def create_table(self, name: str, columns: Mapping[str, Any], **options: Any) -> dict:
+    def create_table(self, name: str, columns: Mapping[str, Any], *, if_not_exists: bool = False,
+                     max_staleness: int = 0, version_group: str | None = None,
+                     max_deliveries: int = 5, lease_seconds: float = 60.0,
+                     storage: Mapping[str, str] | None = None,
+                     required: list[str] | None = None) -> dict[str, Any]:
+        """See :meth:`store.embedded.EmbeddedStore.create_table`."""
         body = {"name": name, "columns": {k: _type_spelling(v) for k, v in columns.items()},
-                **options}
+                "if_not_exists": if_not_exists, "max_staleness": max_staleness,
+                "version_group": version_group, "max_deliveries": max_deliveries,
+                "lease_seconds": lease_seconds, "storage": storage, "required": required}
         return self._json("create_table", body)
 
     def drop_table(self, name: str, *, if_exists: bool = False) -> bool:
@@ -381,3 +388,10 @@ def _claim_from_results(results: list[bytes]) -> Claim:
 
 
 __all__ = ["RemoteStore"]
+
+
+if TYPE_CHECKING:
+    from store.interface import Store
+
+    def _implements_store(s: RemoteStore) -> Store:
+        return s  # mypy checks that RemoteStore implements the Store protocol

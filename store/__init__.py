@@ -11,12 +11,13 @@ from typing import Any
 from .claims import Claim, ClaimRequest
 from .errors import *  # noqa: F401,F403 - the error hierarchy is part of the interface
 from .errors import ExpstoreError, InvalidArgument
+from .interface import Store
 from .naming import SampleId, format_sample_id, parse_sample_id
 
 REMOTE_SCHEMES = ("grpc://", "grpc+tcp://", "grpc+tls://")
 
 
-def connect(uri: str, **options: Any):
+def connect(uri: str, **options: Any) -> Store:
     """Open a store: a file path (embedded) or ``grpc://host:port`` / ``grpc+tls://…`` (remote).
 
     Options go to :class:`store.embedded.EmbeddedStore` or
@@ -34,5 +35,5 @@ def connect(uri: str, **options: Any):
     return EmbeddedStore(uri, **options)
 
 
-__all__ = ["connect", "Claim", "ClaimRequest", "ExpstoreError", "SampleId", "format_sample_id",
+__all__ = ["connect", "Store", "Claim", "ClaimRequest", "ExpstoreError", "SampleId", "format_sample_id",
            "parse_sample_id"]

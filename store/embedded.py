@@ -24,7 +24,7 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Callable, Any, Mapping
+from typing import TYPE_CHECKING, Callable, Any, Mapping
 
 import duckdb
 import numpy as np
@@ -1058,3 +1058,9 @@ def _done(result: Any) -> Future:
 
 __all__ = ["EmbeddedStore", "ExpstoreError", "StorageError"]
 
+
+if TYPE_CHECKING:
+    from store.interface import Store
+
+    def _implements_store(s: EmbeddedStore) -> Store:
+        return s  # mypy checks that EmbeddedStore implements the Store protocol

@@ -1,9 +1,9 @@
 """Shared fixtures: real stores on DuckDB files in ``tmp_path``, no mocks.
 
-``any_store`` is the store the behaviour tests run against. It is parametrized by backend so that
-the same tests can run against the embedded store and, once a "remote" parameter is added here,
-against a Flight server over the same kind of file. Behaviour tests must therefore use only the
-public store interface (docs/architecture.md). Tests of embedded-only mechanics (the blob
+``any_store`` is the store the behaviour tests run against. It is parametrized by backend, so the
+same tests run against the embedded store and against a remote store talking to a real Flight
+server over the same kind of file. Behaviour tests must therefore use only the public
+:class:`store.Store` interface (docs/architecture.md). Tests of embedded-only mechanics (the blob
 directory, reopening a file, ``gc``) use ``embedded_store`` / ``open_store`` instead.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ import store
 
 # "embedded-uncached": the same store with no claim cache (store/cache.py), so that claims read
 # every row from DuckDB, as they do for rows put while a backlog fills the cache.
-BACKENDS = ["embedded", "embedded-uncached"]
+# "remote": a RemoteStore connected to a Flight server on a free loopback port.
+BACKENDS = ["embedded", "embedded-uncached", "remote"]
 
 
 @pytest.fixture
@@ -33,6 +34,9 @@ def db_path(tmp_path) -> str:
 def any_store(request, tmp_path) -> Iterator[Any]:
     """A store implementing the public interface, on a fresh database, closed afterwards."""
     backend = request.param
+    if backend == "remote":
+        yield from _remote_store(tmp_path / "x.duckdb")
+        return
     if backend == "embedded":
         s = store.connect(str(tmp_path / "x.duckdb"))
     elif backend == "embedded-uncached":
@@ -43,6 +47,30 @@ def any_store(request, tmp_path) -> Iterator[Any]:
         yield s
     finally:
         s.close()
+
+
+def _remote_store(db: Any) -> Iterator[Any]:
+    """A RemoteStore over a real server on a fresh database; the server stops afterwards."""
+    from flight_fixtures import running_server
+    with running_server(db) as server:
+        s = store.connect(server.location)
+        # A subscription left open by a failed test keeps its stream, and so the server's
+        # shutdown, waiting: close those before the server goes.
+        subscriptions: list[Any] = []
+        subscribe = s.subscribe
+
+        def tracked(*args: Any, **kwargs: Any) -> Any:
+            sub = subscribe(*args, **kwargs)
+            subscriptions.append(sub)
+            return sub
+
+        s.subscribe = tracked
+        try:
+            yield s
+        finally:
+            for sub in subscriptions:
+                sub.close()
+            s.close()
 
 
 @pytest.fixture

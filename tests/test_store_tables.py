@@ -178,3 +178,8 @@ def test_bad_settings(any_store, kwargs, bad):
 def test_no_columns(any_store):
     with pytest.raises(InvalidArgument, match="'t'"):
         any_store.create_table("t", {})
+
+
+def test_every_backend_implements_the_store_protocol(any_store):
+    from store import Store
+    assert isinstance(any_store, Store)
