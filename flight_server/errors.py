@@ -5,11 +5,18 @@ that matches: UNAUTHENTICATED, PERMISSION_DENIED, DEADLINE_EXCEEDED, UNAVAILABLE
 FAILED for the rest) and puts the store's error code in ``extra_info`` as JSON, so the Python
 client rebuilds the exact :mod:`store.errors` class and raw Flight clients can branch on
 ``extra_info`` instead of message text.
+
+Messages are bounded here too: they echo what the caller sent (a table name, a claim id, an action
+name, a descriptor), and gRPC carries a Flight error's message and ``extra_info`` in its
+metadata, whose size is limited (8 KB by default): a long echo cost the client the typed code, a
+longer one the whole error. Each echoed run keeps its first characters and states its length.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import re
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -29,6 +36,42 @@ _FLIGHT_TYPE: dict[type[E.ExpstoreError], type[flight.FlightError]] = {
     E.StorageError: flight.FlightInternalError,
 }
 
+#: Characters kept of one echoed run of the caller's input (a run without spaces or quotes).
+MAX_ECHO_CHARS = 200
+#: UTF-8 bytes of a whole message; gRPC percent-encodes non-ASCII bytes (three times longer).
+MAX_MESSAGE_BYTES = 1024
+_LONG_RUN = re.compile(rf"[^\s'\"…]{{{MAX_ECHO_CHARS + 1},}}")
+
+
+def bound_message(message: str) -> str:
+    """``message`` with every run of more than :data:`MAX_ECHO_CHARS` non-space characters cut
+    to its start and its length, and the whole cut to :data:`MAX_MESSAGE_BYTES` (its start and
+    end kept: the end usually says what was expected).
+
+    >>> bound_message("unknown table " + "x" * 1000 + " ; tables: a, b")[-40:]
+    'xxxxx… (1,000 characters) ; tables: a, b'
+    """
+    message = _LONG_RUN.sub(
+        lambda m: f"{m.group()[:MAX_ECHO_CHARS]}… ({len(m.group()):,} characters)", message)
+    encoded = message.encode("utf-8", "replace")
+    if len(encoded) <= MAX_MESSAGE_BYTES:
+        return message
+    half = MAX_MESSAGE_BYTES // 2 - 40
+    head = encoded[:half].decode("utf-8", "ignore")
+    tail = encoded[-half:].decode("utf-8", "ignore")
+    return f"{head} … ({len(message):,} characters in all) … {tail}"
+
+
+def _bounded(error: E.ExpstoreError) -> E.ExpstoreError:
+    """``error`` itself if its message is within bounds, else a copy with a bounded message."""
+    message = str(error)
+    short = bound_message(message)
+    if short == message:
+        return error
+    bounded = copy.copy(error)
+    bounded.args = (short,)
+    return bounded
+
 
 def to_flight(error: BaseException) -> flight.FlightError:
     """The Flight error a client receives for ``error``."""
@@ -37,6 +80,7 @@ def to_flight(error: BaseException) -> flight.FlightError:
     if not isinstance(error, E.ExpstoreError):
         log.exception("internal error", exc_info=error)
         error = E.ExpstoreError(f"internal error: {type(error).__name__}: {error}")
+    error = _bounded(error)
     kind = next((t for c, t in _FLIGHT_TYPE.items() if isinstance(error, c)),
                 flight.FlightServerError)
     info = json.dumps({"code": error.code}).encode()
@@ -47,20 +91,24 @@ def as_store_error(error: BaseException) -> E.ExpstoreError:
     """The store error a client is told of: bad-input exceptions from Arrow or from parsing
     become InvalidArgument; anything else unexpected is logged and becomes "internal"."""
     if isinstance(error, E.ExpstoreError):
-        return error
+        return _bounded(error)
     if isinstance(error, (pa.ArrowException, ValueError, TypeError, KeyError, RecursionError)):
-        return E.InvalidArgument(str(error))
+        return _bounded(E.InvalidArgument(str(error)))
     log.exception("internal error", exc_info=error)
-    return E.ExpstoreError(f"internal error: {type(error).__name__}: {error}")
+    return _bounded(E.ExpstoreError(f"internal error: {type(error).__name__}: {error}"))
 
 
 @contextmanager
 def flight_errors() -> Iterator[None]:
-    """Translate anything raised inside into a Flight error."""
+    """Translate anything raised inside into a Flight error. ``NotImplementedError`` (a Flight
+    SQL verb this read-only server does not offer) stays one: pyarrow answers it with gRPC's
+    UNIMPLEMENTED, which has no Flight error class, and ADBC raises ``NotSupportedError``."""
     try:
         yield
     except flight.FlightError:
         raise
+    except NotImplementedError as e:
+        raise NotImplementedError(bound_message(str(e))) from None
     except Exception as e:  # noqa: BLE001 - sent to the client as the matching store error
         raise to_flight(as_store_error(e)) from None
 

@@ -57,7 +57,8 @@ def parse_subscribe(command: bytes) -> dict[str, Any]:
     return sub
 
 
-def _error(request: Any, e: ExpstoreError) -> dict[str, Any]:
+def _error(request: Any, error: ExpstoreError) -> dict[str, Any]:
+    e = as_store_error(error)  # its message bounded, like every error a client is told of
     return {"type": "error", "request": request, "code": e.code, "message": str(e)}
 
 
@@ -137,8 +138,7 @@ class ExchangeSession:
     def _fail(self, error: ExpstoreError) -> None:
         """Tell the client the subscription failed, then wait for it to end the stream."""
         try:
-            self._writer.write_metadata(_meta({"type": "error", "fatal": True, "request": None,
-                                               "code": error.code, "message": str(error)}))
+            self._writer.write_metadata(_meta({**_error(None, error), "fatal": True}))
         except Exception as e:  # noqa: BLE001 - the client is gone: its stream ends anyway
             log.debug("could not report the subscription error: %s", e)
 

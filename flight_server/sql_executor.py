@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import duckdb
 import pyarrow as pa
 
 from store.embedded import EmbeddedStore
@@ -27,13 +28,27 @@ class StoreSqlExecutor:
         # The guard sees the user's statement as it is; then only its schema is computed.
         from store.sqlguard import check_select
         check_select(sql)
-        return self._store.query(f"SELECT * FROM ({sql}) AS _expstore_q LIMIT 0", params).schema
+        return self._store.query(f"SELECT * FROM ({_statement_body(sql)}\n) AS _expstore_q "
+                                 "LIMIT 0", params).schema
 
     def tables(self) -> list[tuple[str, pa.Schema]]:
         out = []
         for name in self._store.list_tables():
             out.append((name, self._store.query(f'SELECT * FROM "{name}" LIMIT 0').schema))
         return out
+
+
+def _statement_body(sql: str) -> str:
+    """``sql`` without the ``;`` and comments that may end a statement but not a subquery, so
+    that every statement ``do_get`` runs also has a schema here (the guard checked it whole)."""
+    end = len(sql)
+    for start, kind in reversed(duckdb.tokenize(sql)):
+        if kind == duckdb.token_type.comment or (kind == duckdb.token_type.operator
+                                                 and sql[start:end].strip() == ";"):
+            end = start
+            continue
+        break
+    return sql[:end]
 
 
 def make_handler(store: EmbeddedStore) -> FlightSqlHandler:

@@ -357,3 +357,92 @@ def test_remote_store_raises_store_errors(served, case):
         assert not str(raised.value).startswith("[")  # the wire prefix is stripped
         assert remote.health()["status"] == "ok"
     assert _checksum(client) == before
+
+
+# -- long input: the echo is bounded, the typed code always arrives ------------------------------
+LONG = "n" * 100_000
+LONG_WIDE = "é" * 100_000  # non-ASCII: gRPC percent-encodes each of its bytes
+
+
+def _long_session_request(client: flight.FlightClient, doc: dict[str, Any]) -> None:
+    """A session request; its error answer (a frame, not gRPC metadata) is raised as the
+    matching Flight error so that the cases below check every verb kind alike."""
+    descriptor = flight.FlightDescriptor.for_command(b'{"session": {}}')
+    writer, reader = client.do_exchange(descriptor)
+    with writer:
+        writer.begin(pa.schema([]))
+        writer.write_metadata(pa.py_buffer(json.dumps(doc).encode()))
+        header = json.loads(reader.read_chunk().app_metadata.to_pybytes().partition(b"\n")[0])
+        writer.done_writing()
+    error = header["error"]
+    raise flight.FlightServerError(f"[{error['code']}] {error['message']}",
+                                   extra_info=json.dumps({"code": error["code"]}).encode())
+
+
+def _long_subscription_ack(client: flight.FlightClient, claim_id: str) -> None:
+    """An ack of an unknown claim on a subscription stream: its error comes back as a frame."""
+    command = json.dumps({"subscribe": {"table": TABLE, "micro_batch_size": 1,
+                                        "global_batch_size": 1}}).encode()
+    writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(command))
+    with writer:
+        reader.read_chunk()  # hello
+        writer.write_metadata(pa.py_buffer(json.dumps(
+            {"type": "ack", "claim_id": claim_id, "request": 1}).encode()))
+        while True:
+            meta = json.loads(reader.read_chunk().app_metadata.to_pybytes())
+            if meta.get("type") == "error":
+                break
+        writer.write_metadata(pa.py_buffer(b'{"type": "close"}'))
+        writer.done_writing()
+    raise flight.FlightServerError(f"[{meta['code']}] {meta['message']}",
+                                   extra_info=json.dumps({"code": meta["code"]}).encode())
+
+
+LONG_CASES: dict[str, tuple[Callable[[flight.FlightClient, str], Any], str]] = {
+    "action body (describe)": (lambda c, n: action(c, "describe", {"table": n}),
+                               "invalid_argument"),
+    "action body (claim)": (lambda c, n: action(c, "claim", {"table": n, "limit": 1}),
+                            "invalid_argument"),
+    "action body (ack)": (lambda c, n: action(c, "ack", {"claim_id": n}), "not_found"),
+    "action name": (lambda c, n: action(c, n, {}), "not_found"),
+    "do_put descriptor": (
+        lambda c, n: _schema_put(c, pa.record_batch({"sample_id": ["q_0_0"]}), n), "invalid_argument"),
+    "get_flight_info descriptor": (
+        lambda c, n: c.get_flight_info(flight.FlightDescriptor.for_path(n)), "invalid_argument"),
+    "do_get SQL": (lambda c, n: query(c, f"SELECT * FROM {n[:99_000]}"), "query_refused"),
+    "do_get ticket field": (lambda c, n: _ticket(c, json.dumps({"sql": "SELECT 1", n: 1})
+                                                 .encode()), "invalid_argument"),
+    "subscribe command": (lambda c, n: _subscribe(c, json.dumps({"subscribe": {
+        "table": n, "micro_batch_size": 1, "global_batch_size": 1}}).encode()), "invalid_argument"),
+    "subscription ack": (_long_subscription_ack, "invalid_argument"),
+    "session action name": (lambda c, n: _long_session_request(
+        c, {"id": 1, "action": n, "body": {}}), "invalid_argument"),
+    "session body": (lambda c, n: _long_session_request(
+        c, {"id": 1, "action": "ack", "body": {"claim_id": n}}), "not_found"),
+}
+
+
+@pytest.mark.parametrize("name", [LONG, LONG_WIDE], ids=["ascii", "non-ascii"])
+@pytest.mark.parametrize("case", list(LONG_CASES))
+def test_long_input_is_echoed_bounded_with_its_typed_code(served, case, name):
+    _, client = served
+    operation, code = LONG_CASES[case]
+    with pytest.raises(flight.FlightError) as raised:
+        operation(client, name)
+    error = raised.value
+    assert error_code(error) == code, f"{case}: {type(error).__name__}: {str(error)[:300]}"
+    message = str(error)
+    assert len(message.encode()) < 2_000, f"{case}: a {len(message):,}-character message"
+    assert name[:50] in message, f"{case}: the message does not start the bad value: {message}"
+    assert "characters" in message, f"{case}: the message does not state the length: {message}"
+    assert action_json(client, "health")["status"] == "ok"
+
+
+def test_long_input_through_the_remote_store_keeps_its_class(served):
+    from flight_server.client import RemoteStore
+    server, _ = served
+    with RemoteStore(f"grpc://127.0.0.1:{server.port}") as remote:
+        with pytest.raises(E.InvalidArgument, match="100,000 characters"):
+            remote.describe(LONG)
+        with pytest.raises(E.NotFound, match="100,000 characters"):
+            remote.ack(LONG_WIDE)

@@ -173,3 +173,76 @@ def test_flight_sql_with_auth_needs_a_valid_token(tmp_path):
                     cur.fetchall()
                 finally:
                     bad.close()
+
+
+def test_unsupported_verbs_answer_unimplemented_not_internal(served, caplog):
+    """Updates, ingest, transactions, savepoints and cancel: UNIMPLEMENTED through the real
+    server's error boundary (ADBC's NotSupportedError), and no traceback in the server's log."""
+    import adbc_driver_manager
+    import pyarrow as pa
+    import pyarrow.flight as flight
+    from flight_server.flightsql import messages
+
+    server, s = served
+    before = s.query("SELECT count(*) AS n, sum(reward) AS r FROM solver").to_pylist()
+    caplog.set_level("ERROR", logger="expstore")
+    conn = _connect(server.location)
+    try:
+        cur = conn.cursor()
+        cur.adbc_statement.set_sql_query("UPDATE solver SET reward = 0")
+        with pytest.raises(adbc_driver_manager.NotSupportedError, match="read-only"):
+            cur.adbc_statement.execute_update()
+        with pytest.raises(adbc_driver_manager.NotSupportedError, match="read-only"):
+            cur.executemany("UPDATE solver SET reward = ? WHERE sample_id = ?", [(0.0, "q0_0_0")])
+        with pytest.raises(adbc_driver_manager.NotSupportedError, match="read-only"):
+            cur.adbc_ingest("solver", pa.table({"sample_id": ["q9_0_0"]}), mode="append")
+    finally:
+        conn.close()
+    client = flight.connect(server.location)
+    for verb in ("BeginTransaction", "EndTransaction", "BeginSavepoint", "EndSavepoint",
+                 "CancelQuery", "CreatePreparedSubstraitPlan"):
+        with pytest.raises(pa.ArrowNotImplementedError, match="not supported"):
+            list(client.do_action(flight.Action(verb, b"")))
+    in_transaction = messages.pack(messages.CommandStatementQuery(query="SELECT 1",
+                                                                  transaction_id=b"t1"))
+    with pytest.raises(pa.ArrowNotImplementedError, match="transaction"):
+        client.get_flight_info(flight.FlightDescriptor.for_command(in_transaction))
+    client.close()
+    assert not [r for r in caplog.records if "internal error" in r.getMessage()], \
+        [r.getMessage() for r in caplog.records]
+    assert s.query("SELECT count(*) AS n, sum(reward) AS r FROM solver").to_pylist() == before
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT sample_id FROM solver ORDER BY sample_id;",
+    "SELECT sample_id FROM solver ORDER BY sample_id -- the first rows",
+    "SELECT sample_id FROM solver ORDER BY sample_id; -- the first rows",
+    "/* rows */ SELECT sample_id FROM solver ORDER BY sample_id /* sorted */ ;",
+])
+def test_statements_do_get_accepts_work_through_flight_sql(served, sql):
+    server, s = served
+    expected = s.query(sql).column("sample_id").to_pylist()
+    assert len(expected) == 6
+    conn = _connect(server.location)
+    try:
+        cur = conn.cursor()
+        cur.execute(sql)
+        assert cur.fetch_arrow_table().column("sample_id").to_pylist() == expected
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("end", ["", ";", " -- by input"])
+def test_pivot_works_through_flight_sql(served, end):
+    server, s = served
+    sql = ("PIVOT (SELECT input_id, trajectory_id, reward FROM solver) ON trajectory_id "
+           f"IN (0, 1) USING sum(reward) ORDER BY input_id{end}")
+    expected = s.query(sql)
+    assert expected.num_rows == 3
+    conn = _connect(server.location)
+    try:
+        cur = conn.cursor()
+        cur.execute(sql)
+        assert cur.fetch_arrow_table().to_pylist() == expected.to_pylist()
+    finally:
+        conn.close()

@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import store
+from flight_server.flightsql.handler import REFUSED_ACTIONS as REFUSED_SQL_ACTIONS
 
 import reliability_helpers as rh
 
@@ -136,7 +137,8 @@ def _code(error: BaseException) -> str:
     return f"({type(error).__name__})"
 
 
-def check_call(target: Target, call: Call) -> None:
+def check_call(target: Target, call: Call) -> str:
+    """Run one invalid call and check the server after it; the error code it answered."""
     target.calls += 1
     t0 = time.monotonic()
     try:
@@ -155,6 +157,7 @@ def check_call(target: Target, call: Call) -> None:
         f"the server stopped answering after {call!r}:\n{target.srv.log_tail()}"
     after = target.snapshot()
     assert after == target.baseline, f"{call!r} changed the stored data"
+    return code
 
 
 # -- value strategies ---------------------------------------------------------------------------
@@ -682,6 +685,42 @@ def test_every_write_or_file_access_through_the_query_path_is_refused(target, sq
     """Deterministic coverage of the curated list (the fuzzer samples it): writes hidden in a
     WITH clause, DDL, ATTACH/COPY/PRAGMA/SET, file and environment functions, several statements."""
     check_call(target, ticket_call(json.dumps({"sql": sql}).encode()))
+
+
+# -- long input: the echo is bounded, so the typed code still fits gRPC's metadata ----------------
+LONG_NAME = "n" * 100_000
+
+
+def _long_input_calls() -> dict[str, Call]:
+    subscribe = {**VALID_SUBSCRIBE, "table": LONG_NAME}
+    return {
+        "table name (describe)": action_call("describe", {"table": LONG_NAME}),
+        "table name (claim)": action_call("claim", {"table": LONG_NAME, "limit": 1}),
+        "claim id (ack)": action_call("ack", {"claim_id": LONG_NAME}),
+        "action name": action_call(LONG_NAME, {}),
+        "put descriptor": put_call(flight.FlightDescriptor.for_path(LONG_NAME),
+                                   _batch(valid_rows("long", 1)), "descriptor"),
+        "info descriptor": info_call(flight.FlightDescriptor.for_path(LONG_NAME), False),
+        "SQL table name": ticket_call(json.dumps(
+            {"sql": f"SELECT * FROM {LONG_NAME[:99_000]}"}).encode()),
+        "ticket field": ticket_call(json.dumps({"sql": "SELECT 1", LONG_NAME: 1}).encode()),
+        "subscribe table": exchange_call(flight.FlightDescriptor.for_command(
+            json.dumps({"subscribe": subscribe}).encode())),
+    }
+
+
+@pytest.mark.parametrize("case", list(_long_input_calls()))
+def test_long_inputs_keep_their_typed_code(target, case):
+    """A 100 KB name, id or descriptor: the error still carries its typed code (an unbounded
+    echo lost it from ~7 KB and the whole error from 16 KB)."""
+    code = check_call(target, _long_input_calls()[case])
+    assert not code.startswith("("), f"{case}: the typed code was lost ({code})"
+
+
+@pytest.mark.parametrize("verb", sorted(REFUSED_SQL_ACTIONS))
+def test_refused_flight_sql_verbs_are_unimplemented(target, verb):
+    """Transactions, savepoints, cancel, Substrait: UNIMPLEMENTED, never an internal error."""
+    assert check_call(target, action_call(verb, None, raw=b"")) == "(ArrowNotImplementedError)"
 
 
 def test_valid_calls_still_work_after_the_fuzzing(target):
