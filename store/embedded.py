@@ -42,7 +42,7 @@ from .naming import check_identifier, quote
 from .opening import connect_duckdb, ensure_catalog, run_checkpoint
 from .prepare import SMALL_ROWS, PreparedPut, check_columns, prepare_put, put_versions, \
     to_arrow_table
-from .putlog import PutLog, log_path, replay
+from .putlog import LeaseUpdate, PutLog, log_path, replay
 from .recovery import load_state
 from .schema import TableDef
 from .sqlguard import check_select
@@ -107,7 +107,7 @@ class EmbeddedStore:
         self._claims: dict[str, Lease] = {}
         self._settling: dict[str, Any] = {}
         self._expiry: list[tuple[float, str]] = []
-        self._row_updates: dict[str, dict[int, tuple]] = {}
+        self._row_updates: dict[str, dict[int, LeaseUpdate]] = {}
         self._recent_acked: OrderedDict[str, int] = OrderedDict()
         self._recent_expired: OrderedDict[str, str] = OrderedDict()
         self._query_slots = threading.BoundedSemaphore(max_concurrent_queries)
@@ -361,8 +361,8 @@ class EmbeddedStore:
                 for row in rows:
                     live.lease_row(row, lease)
                     lease.rows.append((live, row))
-                    pending[row.row_id] = (row.row_id, True, lease.claim_id, owner, expires,
-                                           row.deliveries, False, False)
+                    pending[row.row_id] = LeaseUpdate(row.row_id, True, lease.claim_id, owner,
+                                                      expires, row.deliveries, False, False)
             self._claims[lease.claim_id] = lease
             heapq.heappush(self._expiry, (lease.expires_at, lease.claim_id))
             self.counters["claims"] += 1
@@ -384,8 +384,8 @@ class EmbeddedStore:
             for live, row in lease.rows:
                 row.deliveries -= 1
                 live.release(row)
-                self._row_updates.setdefault(live.tdef.name, {})[row.row_id] = (
-                    row.row_id, False, None, None, None, row.deliveries, False, False)
+                self._row_updates.setdefault(live.tdef.name, {})[row.row_id] = \
+                    LeaseUpdate.released(row.row_id, row.deliveries)
             self._notify()
         self._writer.poke()
 
@@ -671,8 +671,8 @@ class EmbeddedStore:
         for tname, rows in plan.items():
             pending = self._row_updates.setdefault(tname, {})
             for row, outcome in rows:
-                pending[row.row_id] = (row.row_id, False, None, None, None, row.deliveries,
-                                       outcome == "stale", outcome == "dead")
+                pending[row.row_id] = LeaseUpdate.released(
+                    row.row_id, row.deliveries, stale=outcome == "stale", dead=outcome == "dead")
         self._settled(lease, plan, "expired")
         self._notify()
 
@@ -699,13 +699,13 @@ class EmbeddedStore:
         with self._lock:
             return any(self._row_updates.values())
 
-    def _take_row_updates(self) -> dict[str, list[tuple]]:
+    def _take_row_updates(self) -> dict[str, list[LeaseUpdate]]:
         with self._lock:
             updates = {t: list(rows.values()) for t, rows in self._row_updates.items() if rows}
             self._row_updates = {}
         return updates
 
-    def _requeue_row_updates(self, updates: dict[str, list[tuple]]) -> None:
+    def _requeue_row_updates(self, updates: dict[str, list[LeaseUpdate]]) -> None:
         """Put back bookkeeping a failed transaction had taken (newer entries win)."""
         with self._lock:
             for tname, rows in updates.items():
@@ -713,7 +713,7 @@ class EmbeddedStore:
                     continue
                 pending = self._row_updates.setdefault(tname, {})
                 for entry in rows:
-                    pending.setdefault(entry[0], entry)
+                    pending.setdefault(entry.row_id, entry)
 
     def _may_have_terminal_rows(self, table: str) -> bool:
         return table in self._terminal_possible
@@ -873,8 +873,8 @@ class EmbeddedStore:
             # Expired leases' stale/dead rows left memory; their flags are not written yet.
             unflushed = list(self._row_updates.get(name, {}).values())
         total, consumed, stale, dead = (sum(int(r[i]) for r in per_version) for i in (1, 2, 3, 4))
-        stale += sum(1 for u in unflushed if u[6])
-        dead += sum(1 for u in unflushed if u[7] and not u[6])
+        stale += sum(1 for u in unflushed if u.stale)
+        dead += sum(1 for u in unflushed if u.dead and not u.stale)
         return {
             "version": version, "version_group": live.tdef.version_group,
             "rows": total, "pending": live_rows - ready - processing, "ready": ready,

@@ -20,11 +20,12 @@ or damaged last record was never acknowledged and is dropped.
 """
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import os
 import struct
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import duckdb
 import numpy as np
@@ -47,10 +48,30 @@ log = logging.getLogger("expstore.putlog")
 #: table, row_id of the rows it makes stale.
 Record = tuple[str, dict[str, Any], pa.Table]
 
-# The lease bookkeeping of a row, in the order EmbeddedStore queues it (see Writer._row_updates).
-LEASE_COLUMNS = (("row_id", "BIGINT"), ("is_processing", "BOOLEAN"), ("lease_id", "VARCHAR"),
-                 ("lease_owner", "VARCHAR"), ("lease_expires_at", "TIMESTAMPTZ"),
-                 ("delivery_count", "INTEGER"), ("stale", "BOOLEAN"), ("dead", "BOOLEAN"))
+
+
+class LeaseUpdate(NamedTuple):
+    """The lease bookkeeping of one row that a claim, a release or an expiry changed, queued by
+    the store and written by the writer (to DuckDB, or to the put log as a "leases" record)."""
+    row_id: int
+    is_processing: bool
+    lease_id: str | None
+    lease_owner: str | None
+    lease_expires_at: dt.datetime | None
+    delivery_count: int
+    stale: bool
+    dead: bool
+
+    @classmethod
+    def released(cls, row_id: int, deliveries: int, *, stale: bool = False,
+                 dead: bool = False) -> "LeaseUpdate":
+        """A row out of its lease: ready again, or marked stale or dead."""
+        return cls(row_id, False, None, None, None, deliveries, stale, dead)
+
+
+# The DuckDB column (and its type) of each LeaseUpdate field, in the same order.
+LEASE_COLUMNS = tuple(zip(LeaseUpdate._fields, (
+    "BIGINT", "BOOLEAN", "VARCHAR", "VARCHAR", "TIMESTAMPTZ", "INTEGER", "BOOLEAN", "BOOLEAN")))
 
 
 def log_path(database: str) -> str:
@@ -234,10 +255,10 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table, replayin
     return int(row[0]) if row else 0
 
 
-def lease_table(rows: list[tuple]) -> pa.Table:
-    """Lease bookkeeping entries (tuples in LEASE_COLUMNS order) as an Arrow table."""
-    return pa.table({name: pa.array([r[i] for r in rows], LIST_TYPES[kind])
-                     for i, (name, kind) in enumerate(LEASE_COLUMNS)})
+def lease_table(rows: list[LeaseUpdate]) -> pa.Table:
+    """Lease bookkeeping entries as an Arrow table (columns as LEASE_COLUMNS)."""
+    return pa.table({name: pa.array([getattr(r, name) for r in rows], LIST_TYPES[kind])
+                     for name, kind in LEASE_COLUMNS})
 
 
 def lease_update(table: str, source: str) -> str:

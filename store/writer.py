@@ -38,7 +38,7 @@ from .live import LEASED, Lease, LiveTable, Row, RowBlock
 from .naming import quote
 from .opening import run_checkpoint
 from .prepare import PreparedPut
-from .putlog import LEASE_COLUMNS, PutLog, Record, apply_records, encode, lease_table, \
+from .putlog import LEASE_COLUMNS, LeaseUpdate, PutLog, Record, apply_records, encode, lease_table, \
     lease_update
 from .sources import ListColumns, registered, row_source
 from .types import one_array
@@ -179,7 +179,7 @@ class _Txn:
         # read from DuckDB once, after the commit, so claims need no read of their own.
         self.need_payload: list[tuple[LiveTable, Row]] = []
         # Lease bookkeeping taken for this transaction: put back if it does not commit.
-        self.row_updates: dict[str, list[tuple]] = {}
+        self.row_updates: dict[str, list[LeaseUpdate]] = {}
         # id(put op) -> its rows with blob keys, made before any statement runs.
         self.physical: dict[int, pa.Table] = {}
         # Set for a group going to the put log: the records of its changes.
@@ -1122,7 +1122,7 @@ class Writer:
                 if pending:
                     for row, _ in rows:
                         entry = pending.get(row.row_id)
-                        if entry is not None and entry[2] == lease.claim_id:
+                        if entry is not None and entry.lease_id == lease.claim_id:
                             del pending[row.row_id]
         for tname, rows in plan.items():
             if tname not in store._live:
@@ -1215,12 +1215,12 @@ class Writer:
         for tname, rows in updates.items():
             if tname not in self._store._live:
                 continue
-            leases: ListColumns = {name: (kind, [r[i] for r in rows])
-                                   for i, (name, kind) in enumerate(LEASE_COLUMNS)}
+            leases: ListColumns = {name: (kind, [getattr(r, name) for r in rows])
+                                   for name, kind in LEASE_COLUMNS}
             with row_source(con, "_expstore_leases", leases) as (source, params):
                 con.execute(lease_update(tname, source), params)
 
-    def _log_row_updates(self, txn: _Txn) -> dict[str, list[tuple]]:
+    def _log_row_updates(self, txn: _Txn) -> dict[str, list[LeaseUpdate]]:
         """The lease bookkeeping a logged group carries (as a DuckDB transaction would)."""
         assert txn.logged is not None
         updates = self._store._take_row_updates()
