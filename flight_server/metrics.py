@@ -7,7 +7,9 @@ Exported (prefix ``expstore_``): ``rows_put_total``, ``puts_total``, ``claims_to
 ``rows_claimed_total``, ``acks_total``, ``rows_acked_total``, ``nacks_total``,
 ``leases_expired_total``, ``redeliveries_total``, ``dead_letters_total``, ``stale_rows_total``,
 ``version_bumps_total``; per table ``version``, ``ready_rows`` (queue depth), ``processing_rows``,
-``pending_rows``; ``writer_queue_depth``; histogram ``request_seconds{verb=…}``.
+``pending_rows``; ``writer_queue_depth``; ``writer_up``; ``health{status=…, error=…}`` (1, with
+``health``'s status ok / failed / closed and the cause of a failure, e.g. a full disk);
+histogram ``request_seconds{verb=…}``.
 """
 from __future__ import annotations
 
@@ -56,6 +58,18 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("expstore_writer_up", "1 while the store's writer runs; 0 once "
                                 "an unexpected error stopped it (restart the server)",
                                 value=1 if s._writer.fatal is None else 0)
+        health = s.health()
+        status = GaugeMetricFamily("expstore_health", "1, labelled with the health action's "
+                                   "status (ok, failed, closed) and the cause of a failure "
+                                   "(e.g. the database cannot be written: a full disk)",
+                                   labels=["status", "error"])
+        status.add_metric([health["status"], _bounded(health.get("error", ""))], 1)
+        yield status
+
+
+def _bounded(text: str, limit: int = 1000) -> str:
+    """A label value of bounded size (a cause may quote a long DuckDB message)."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 class Metrics:

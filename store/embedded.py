@@ -100,6 +100,7 @@ class EmbeddedStore:
         self.ref_threshold = ref_threshold
         self.query_timeout = query_timeout
         ensure_catalog(path)
+        self._memory_limit = memory_limit
         self._con = connect_duckdb(path, memory_limit)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -828,6 +829,9 @@ class EmbeddedStore:
                 duckdb.ConversionException, duckdb.InvalidInputException) as e:
             raise QueryRefused(f"query failed: {e}") from e
         except duckdb.Error as e:
+            fault = self._writer.fault
+            if fault is not None:  # the database was invalidated under the query
+                raise fault.error(self._writer.waiting_changes, read=True) from e
             raise QueryRefused(f"query failed: {e}") from e
         finally:
             timer.cancel()
@@ -927,15 +931,41 @@ class EmbeddedStore:
         return Subscription(self, table, micro_batch_size, global_batch_size, **kwargs)
 
     def health(self) -> dict[str, Any]:
-        """``status``: ok, closed, or failed (the writer stopped after an unexpected error, named
-        in ``error``; writes fail until the store is opened again)."""
-        fatal = self._writer.fatal
-        out = {"status": "closed" if self._closed else "ok" if fatal is None else "failed",
-               "tables": len(self._live), "commits": self._writer.commits,
-               "claim_cache_bytes": self.cache.used, "claim_cache_limit": self.cache.limit}
+        """``status``: ok, closed, or failed, with the cause in ``error``: either the writer
+        stopped after an unexpected error (writes fail until the store is opened again), or
+        the database cannot be written (a full disk; ``storage`` says since when and what waits):
+        changes are refused with the retryable ``StorageUnavailable`` until the store recovers
+        on its own."""
+        writer = self._writer
+        fatal, fault = writer.fatal, writer.fault
+        failed = fatal is not None or fault is not None
+        out: dict[str, Any] = {
+            "status": "closed" if self._closed else "failed" if failed else "ok",
+            "tables": len(self._live), "commits": writer.commits,
+            "claim_cache_bytes": self.cache.used, "claim_cache_limit": self.cache.limit}
         if fatal is not None:
             out["error"] = repr(fatal)
+        elif fault is not None:
+            out["error"] = f"the database cannot be written: {fault.cause}"
+            out["storage"] = fault.describe(writer.waiting_changes)
         return out
+
+    def _reopen_database(self) -> duckdb.DuckDBPyConnection:
+        """Close every connection to the database and open it again (the writer calls this
+        after DuckDB invalidated it; DuckDB replays its WAL). Raises StorageError if it cannot
+        be opened yet; the writer tries again later."""
+        with self._reader_lock:
+            for cursor in list(self._readers.values()) + [self._reader_root, self._con]:
+                try:
+                    cursor.close()
+                except duckdb.Error:
+                    pass
+            self._readers.clear()
+            # (a cached instance of the invalid database would be handed back while any
+            # connection to it is open: all are closed above)
+            self._con = connect_duckdb(self.path, self._memory_limit)
+            self._reader_root = self._con.cursor()
+        return self._con
 
     def close(self) -> None:
         if self._closed:

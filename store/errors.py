@@ -105,6 +105,15 @@ class Unavailable(ExpstoreError):
     code = "unavailable"
 
 
+class StorageUnavailable(Unavailable, StorageError):
+    """The database cannot be written for now (a full disk, a checkpoint that failed): nothing
+    of the change was stored. The store retries on its own and takes writes again once the
+    cause is gone (``health`` says ``failed`` with the cause until then), so retrying later may
+    succeed: a kind of ``unavailable`` and of ``storage_error``."""
+
+    code = "storage_unavailable"
+
+
 class TableFull(Unavailable):
     """A put would take a table past its store's limit of live rows (``max_live_rows``): the
     consumers are behind; retrying once they have consumed may succeed."""
@@ -118,6 +127,6 @@ ERROR_CLASSES: dict[str, type[ExpstoreError]] = {
         ExpstoreError, InvalidArgument, SchemaMismatch, NotFound, AlreadyExists,
         VersionConflict, StaleVersion, LeaseExpired, QueryRefused, QueryTimeout,
         CatalogOutdated, StoreClosed, StorageError, Unauthenticated, PermissionDenied,
-        Unavailable, TableFull,
+        Unavailable, TableFull, StorageUnavailable,
     )
 }

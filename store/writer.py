@@ -12,6 +12,8 @@ instead (an append and an fsync; see store/putlog.py) and applied to DuckDB, in 
 start of the next DuckDB transaction.
 
 If a group fails, each operation is retried alone so that one bad operation fails only its caller.
+If DuckDB itself cannot be written (a full disk; a failed checkpoint invalidates the database),
+the writer refuses every change until it recovers (see store/storage_fault.py).
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .blobs import keys_for
-from .errors import ExpstoreError, NotFound, StaleVersion, StorageError, StoreClosed, \
-    VersionConflict
+from .errors import ExpstoreError, NotFound, StaleVersion, StorageError, StorageUnavailable, \
+    StoreClosed, VersionConflict
 from .live import LEASED, Lease, LiveTable, Row, RowBlock
 from .naming import quote
 from .opening import run_checkpoint
@@ -41,6 +43,7 @@ from .prepare import PreparedPut
 from .putlog import LEASE_COLUMNS, LeaseUpdate, PutLog, Record, apply_records, encode, lease_table, \
     lease_update
 from .sources import ListColumns, registered, row_source
+from .storage_fault import StorageFault
 from .types import one_array
 
 if TYPE_CHECKING:
@@ -222,6 +225,11 @@ class Writer:
         self._closed = False
         self._fatal: BaseException | None = None
         self._taken: list[Op] = []  # the ops of the group being run
+        # Set while the database cannot be written (see store/storage_fault.py).
+        self._fault: StorageFault | None = None
+        # After DuckDB was opened again: the logged changes may be in it already (see _recover).
+        self._replay_logged = False
+        self._putlog_failing = False  # a put log write failed (logged once until one works)
         self.commits = 0  # group commits: DuckDB transactions and put-log appends
         self._last_commit = time.monotonic()
         self._dirty_since_checkpoint = False
@@ -245,6 +253,10 @@ class Writer:
             raise StoreClosed("the store is closed")
         if self._fatal is not None:
             raise self._stopped()
+        fault = self._fault
+        if fault is not None:  # refused at once: nothing of it is stored (retryable)
+            _fail(op, fault.error(len(self._logged)))
+            return op.future
         self._queue.put(op)
         if self._fatal is not None:  # it stopped meanwhile, maybe after draining the queue
             self._drain(self._stopped())
@@ -271,15 +283,27 @@ class Writer:
 
     def materialize(self) -> None:
         """Return once every row acknowledged so far is in DuckDB (readers call this first, so
-        that SQL sees every acknowledged write)."""
+        that SQL sees every acknowledged write).
+
+        Raises:
+            StorageUnavailable: DuckDB cannot be written (a full disk) or was invalidated: a read
+                now would miss acknowledged changes, or fail, until the store recovers.
+        """
+        fault = self._fault
+        if fault is not None:
+            raise fault.error(len(self._logged), read=True)
         if self._logged and threading.current_thread() is not self._thread:
-            try:
-                self.call(FlushOp())
-            except StorageError as e:
-                # DuckDB cannot be written (a full disk): the rows are durable in the log and
-                # claimable; the read goes on over what DuckDB has, without them.
-                log.warning("a read proceeds without %d rows of the put log: %s",
-                            self.logged_rows, e)
+            self.call(FlushOp())
+
+    @property
+    def fault(self) -> StorageFault | None:
+        """Why the database cannot be written now, if it cannot (see store/storage_fault.py)."""
+        return self._fault
+
+    @property
+    def waiting_changes(self) -> int:
+        """Acknowledged changes in the put log that DuckDB does not hold yet."""
+        return len(self._logged)
 
     def close(self) -> None:
         if self._closed:
@@ -330,12 +354,17 @@ class Writer:
                 # (a running checkpoint wakes the loop when it ends: see _start_checkpoint)
                 timeout = max(0.0, min(timeout, max(self._logged_since + MATERIALIZE_DELAY,
                                                     self._retry_at) - time.monotonic()))
+            if self._fault is not None:
+                timeout = min(timeout, self._fault.seconds_to_retry())
             try:
                 first = self._queue.get(timeout=timeout)
                 if first is _WAKE:
                     continue
             except queue.Empty:
                 self._store._expire_leases()
+                if self._fault is not None:
+                    self._recover()  # nothing else touches DuckDB meanwhile
+                    continue
                 due = self._flush_due is not None and time.monotonic() >= self._flush_due
                 if due or (self._flush_due is None and self._store._has_pending_row_updates()):
                     self._flush_due = None
@@ -359,6 +388,14 @@ class Writer:
                 elif isinstance(nxt, Op):
                     ops.append(nxt)
             self._store._expire_leases()
+            if self._fault is not None and not self._recover(force=stop):
+                error = self._fault.error(len(self._logged))
+                for op in ops:  # queued before the store knew: refused as later ones are
+                    _fail(op, error)
+                if stop:
+                    self._stop_faulted()
+                    return
+                continue
             self._flush_due = None  # this group writes any pending lease bookkeeping too
             if ops or self._store._has_pending_row_updates():
                 for part in _reads_apart(ops):
@@ -376,7 +413,10 @@ class Writer:
 
     def _read(self, op: ReadOp) -> None:
         if self._logged:
-            self._materialize()  # if it fails (a full disk), the read goes on without them
+            self._materialize()
+        if self._fault is not None:  # DuckDB misses acknowledged changes, or cannot be read
+            _fail(op, self._fault.error(len(self._logged), read=True))
+            return
         try:
             _resolve(op, op.run(self._con))
         except Exception as e:  # noqa: BLE001 - handed to the caller
@@ -386,8 +426,81 @@ class Writer:
         """Apply the logged changes to DuckDB now (a transaction of nothing else)."""
         try:
             self._transaction([])
+        except StorageUnavailable:
+            pass  # the store is in a storage fault now: logged once, retried on a back-off
         except Exception as e:  # noqa: BLE001 - tried again later (see _retry_at)
             log.error("applying the put log to DuckDB failed: %s", e)
+
+    # -- storage faults (see store/storage_fault.py) -------------------------------------------
+    def _enter_fault(self, error: BaseException, invalid: bool) -> StorageFault:
+        """Note that DuckDB cannot be written (``invalid``: it invalidated the database)."""
+        cause = _cause(error)
+        fault = self._fault
+        if fault is None:
+            fault = self._fault = StorageFault(cause, invalid)
+            log.error("the database cannot be written: %s; every change is refused (a "
+                      "retryable storage_unavailable error) until it can be%s; %d acknowledged "
+                      "changes wait in the put log", cause,
+                      ", then DuckDB is opened again" if invalid else "", len(self._logged))
+        else:
+            fault.update(cause, invalid)
+        return fault
+
+    def _recover(self, force: bool = False) -> bool:
+        """Try to leave the storage fault (when its back-off is due, or ``force``): open DuckDB
+        again if it was invalidated, then apply the changes waiting in the put log in one
+        transaction. True once the store takes changes again."""
+        fault = self._fault
+        if fault is None:
+            return True
+        if not force and not fault.due():
+            return False
+        fault.attempts += 1
+        try:
+            reopened = fault.invalid
+            if reopened:
+                self._reopen()
+                fault.invalid = False
+            self._transaction([])  # the logged changes, and any lease bookkeeping
+            if reopened:
+                # What invalidated it was a checkpoint (or a write) that found no room: one
+                # that succeeds shows there is room again; otherwise the next one would fail
+                # the same way and the store would go round the fault again.
+                self._checkpoint_finished()
+                run_checkpoint(self._con)
+        except Exception as e:  # noqa: BLE001 - still failing: the fault notes it, back off
+            fault.update(_cause(e), _invalidated(self._con, e))
+            fault.failed_try()
+            return False
+        self._fault = None
+        log.warning("the database can be written again after %.1f s (%d tries); changes are "
+                    "taken again", time.time() - fault.since, fault.attempts)
+        return True
+
+    def _reopen(self) -> None:
+        """Open DuckDB again after it invalidated the database (what a restart would do: DuckDB
+        replays its WAL). Memory is kept: it holds what was acknowledged, which DuckDB and the
+        put log hold together."""
+        if self._checkpointing is not None:
+            try:
+                self._checkpointing.result()
+            except Exception:  # noqa: BLE001 - it failed on the invalid database: expected
+                pass
+            self._checkpointing = None
+        self._con = self._store._reopen_database()
+        # The changes logged before may have reached DuckDB's WAL in the COMMIT that failed.
+        self._replay_logged = bool(self._logged)
+        self._wal_may_be_full = True
+        self._dirty_since_checkpoint = True
+
+    def _stop_faulted(self) -> None:
+        """Close while the database cannot be written: what was acknowledged stays in the put
+        log, applied when the store is opened again."""
+        if self._logged:
+            log.warning("closing while the database cannot be written: %d acknowledged changes "
+                        "stay in the put log %r and are applied when the store opens again",
+                        len(self._logged), getattr(self._putlog, "path", None))
+        self._drain(StoreClosed("the store is closed"))
 
     def _materialize_due(self) -> bool:
         if self._logged_since is None:
@@ -418,7 +531,8 @@ class Writer:
         (~10-20 ms for a small WAL, seconds for a large one). The writer's own DuckDB
         transactions wait for it (see _checkpoint_finished).
         """
-        if self._checkpoint_running() or not self._dirty_since_checkpoint or \
+        if self._fault is not None or self._checkpoint_running() or \
+                not self._dirty_since_checkpoint or \
                 time.monotonic() - self._last_commit < CHECKPOINT_IDLE_SECONDS:
             return
         self._start_checkpoint()
@@ -432,7 +546,7 @@ class Writer:
         checkpoint runs on the checkpoint thread with every core (half the time on 2 cores),
         as an idle one does: meanwhile puts, acks and bumps that the put log takes go on.
         """
-        if not self._wal_may_be_full or self._checkpoint_running():
+        if self._fault is not None or not self._wal_may_be_full or self._checkpoint_running():
             return
         try:
             size = os.path.getsize(self._wal_path)
@@ -460,7 +574,10 @@ class Writer:
         """Wait for a running checkpoint (before any DuckDB transaction of the writer)."""
         if self._checkpointing is not None:
             running, self._checkpointing = self._checkpointing, None
-            if not running.result():
+            error = running.result()
+            if error is not None and _invalidated(self._con, error):
+                self._enter_fault(error, invalid=True)  # a full disk: see storage_fault.py
+            elif error is not None:
                 # deferred (a reader's snapshot): again when next idle, or in a second if the
                 # WAL is full; DuckDB's own threshold remains behind it
                 self._dirty_since_checkpoint = True
@@ -483,6 +600,10 @@ class Writer:
         try:
             results, txn = self._transaction(ops)
         except Exception as group_error:  # noqa: BLE001 - isolate the culprit below
+            if self._fault is not None:  # DuckDB cannot be written: every op is refused
+                for op in ops:
+                    _fail(op, self._fault.error(len(self._logged)))
+                return
             if len(ops) == 1 and not isinstance(ops[0], MergedPutOp):
                 _fail(ops[0], group_error)
                 return
@@ -596,13 +717,21 @@ class Writer:
         txn = _Txn()
         results: list[Any] = [None] * len(ops)
         self._checkpoint_finished()
-        if self._putlog is not None:
-            self._putlog.sync_cut()  # see PutLog.clear
-        con.execute("BEGIN TRANSACTION")
+        fault = self._fault
+        if fault is not None and fault.invalid:
+            raise fault.error(len(self._logged))  # only _recover opens DuckDB again
         blob_write: Future | None = None
         logged = len(self._logged)
+        # Whether the group's own work (statements, blob writes) is running: a failure there
+        # is the group's; one before or after it (the logged changes, the COMMIT) is DuckDB's.
+        in_ops = False
         try:
-            apply_records(con, self._logged, store._live)  # first: changes stay in order
+            if self._putlog is not None:
+                self._putlog.sync_cut()  # see PutLog.clear
+            con.execute("BEGIN TRANSACTION")
+            # first: changes stay in order
+            apply_records(con, self._logged, store._live, replaying=self._replay_logged)
+            in_ops = True
             blob_write = self._start_blob_write(txn, ops)
             self._run_ops(txn, ops, results)
             self._row_updates(txn)
@@ -612,6 +741,7 @@ class Writer:
                 writing: Future = blob_write
                 blob_write = None  # finished once result() returns or raises
                 writing.result()  # the chunks are durable before any key to them commits
+            in_ops = False
             con.execute("COMMIT")
         except BaseException as e:
             if blob_write is not None:
@@ -631,6 +761,11 @@ class Writer:
             if logged:  # not inserted: try again later, less often while it keeps failing
                 self._retry_at = time.monotonic() + self._retry_delay
                 self._retry_delay = min(self._retry_delay * 2, 5.0)
+            invalid = isinstance(e, duckdb.Error) and _invalidated(con, e)
+            if invalid or (logged and not in_ops and isinstance(e, (OSError, duckdb.Error))):
+                # DuckDB cannot take what is acknowledged already: refuse every change until
+                # it can (a failure of a group with nothing logged fails only the group)
+                raise self._enter_fault(e, invalid).error(len(self._logged)) from e
             if isinstance(e, (OSError, duckdb.IOException)):
                 raise StorageError(f"the database could not be written: {e}") from e
             raise
@@ -638,6 +773,7 @@ class Writer:
         self._last_commit = time.monotonic()
         self._dirty_since_checkpoint = True
         self._wal_may_be_full = True
+        self._replay_logged = False
         if logged:
             self._logged_committed()
         self._apply(txn)
@@ -728,8 +864,12 @@ class Writer:
                     pass
             blobs.rollback()
             store._requeue_row_updates(updates)
-            log.warning("put log not written, the group goes to DuckDB: %s", e)
+            # Once until a write works again: on a full disk every group would log it.
+            (log.debug if self._putlog_failing else log.warning)(
+                "put log not written, the group goes to DuckDB: %s", e)
+            self._putlog_failing = True
             return None
+        self._putlog_failing = False
         self.commits += 1  # a group commit, to the log
         self._logged.extend(txn.logged)
         self._logged_values.extend(txn.logged_values)
@@ -1314,16 +1454,36 @@ def _now(n: int) -> pa.Array:
     return pa.array(np.full(n, now, "datetime64[us]"), _TIMESTAMPTZ)
 
 
-def _checkpoint(cursor: duckdb.DuckDBPyConnection) -> bool:
-    """Run a CHECKPOINT on a cursor of its own (then closed); False when DuckDB deferred it."""
+def _checkpoint(cursor: duckdb.DuckDBPyConnection) -> duckdb.Error | None:
+    """Run a CHECKPOINT on a cursor of its own (then closed); the error when it failed (the
+    caller tells a deferred one from one that invalidated the database)."""
     try:
         run_checkpoint(cursor)
-        return True
+        return None
     except duckdb.Error as e:  # a reader holding a snapshot can defer it; the caller retries
-        log.debug("checkpoint deferred: %s", e)
-        return False
+        log.debug("checkpoint deferred or failed: %s", e)
+        return e
     finally:
         cursor.close()
+
+
+def _invalidated(con: duckdb.DuckDBPyConnection, error: BaseException) -> bool:
+    """Whether DuckDB invalidated the database (after a failed checkpoint or WAL write, e.g.
+    a full disk): every statement fails until it is opened again. Asked of the database itself,
+    not read from the error's text."""
+    if isinstance(error, duckdb.FatalException):
+        return True
+    try:
+        con.execute("SELECT 1").fetchall()
+    except duckdb.Error:
+        return True
+    return False
+
+
+def _cause(error: BaseException) -> str:
+    """An error's text for the one line that names a storage fault."""
+    text = str(error)
+    return text if len(text) <= 400 else f"{text[:400]}… ({len(text)} characters)"
 
 
 def _reads_apart(ops: list[Op]) -> list[list[Op] | ReadOp]:

@@ -275,6 +275,7 @@ EXPECTED_FLIGHT_TYPE = {
     "unavailable": flight.FlightUnavailableError,
     "table_full": flight.FlightUnavailableError,
     "storage_error": flight.FlightInternalError,
+    "storage_unavailable": flight.FlightUnavailableError,
 }
 
 

@@ -18,7 +18,7 @@ import pytest
 
 import store
 from flight_fixtures import running_server
-from store.errors import CatalogOutdated, StorageError, StoreClosed
+from store.errors import CatalogOutdated, StorageError, StorageUnavailable, StoreClosed
 
 import reliability_helpers as rh
 
@@ -145,13 +145,17 @@ def test_full_database_disk_fails_puts_cleanly_and_recovers(tmpfs):
         filler = fs.fill()
         returned, error = _put_until_failure(s, "v", big=False)
         assert "No space left" in error, error
-        # SQL reads go on; puts acknowledged from the put log cannot reach DuckDB meanwhile
-        # and are missing there, but nothing else is, and nothing is wrong.
-        stored = _stored(s)
-        missing = [i for i in returned if i not in stored]
-        assert len(missing) <= s._writer.logged_rows
-        assert all(stored[i] == rh.reward_of(i) for i in returned if i in stored)
+        # Puts acknowledged from the put log cannot reach DuckDB meanwhile: a read would miss
+        # them, so it is refused (retryable), and health says why, until the store recovers.
+        with pytest.raises(StorageUnavailable, match="No space left"):
+            _stored(s)
+        health = s.health()
+        assert health["status"] == "failed" and "No space left" in health["error"], health
+        assert health["storage"]["waiting_changes"] > 0
+        with pytest.raises(StorageUnavailable):
+            s.put("t", _rows("refused", 5, big=False))
         filler.unlink()                               # the cause is gone
+        rh.wait_until(lambda: s.health()["status"] == "ok", 30, "recovery once space is free")
         more = _rows("after", 30, big=False)
         s.put("t", more)
         returned += more["sample_id"]
@@ -165,6 +169,85 @@ def test_full_database_disk_fails_puts_cleanly_and_recovers(tmpfs):
         _check_returned(s, returned)
         assert len(_stored(s)) == len(returned)
         assert s.stats("t")["t"]["consumed"] == len(returned)
+
+
+def _fill_wal(s, rows: int = 8000) -> list[str]:
+    """Put ``rows`` rows of random-looking text (they compress badly: a checkpoint must write
+    about their size) and wait until DuckDB's WAL holds them; returns their ids."""
+    ids: list[str] = []
+    for k in range(rows // 200):
+        batch = rh.sample_ids(f"w{k}x", 0, 200)
+        s.put("t", {"sample_id": batch, "response": [os.urandom(200).hex() for _ in batch],
+                    "reward": [rh.reward_of(i) for i in batch]})
+        ids += batch
+    assert s.query('SELECT count(*) AS n FROM "t"').column("n")[0].as_py() == len(ids)
+    return ids
+
+
+def test_a_checkpoint_on_a_full_disk_fails_the_store_clearly_and_it_recovers(tmpfs, caplog):
+    """The issue's scenario: the disk fills while DuckDB holds a WAL of a few MB; the writer's
+    idle checkpoint fails and DuckDB invalidates the database. Health and /metrics say failed
+    with the cause; puts, acks and SQL get the retryable StorageUnavailable at once (no put is
+    acknowledged into a log that cannot reach DuckDB); the log holds a few lines, not a storm;
+    once space is free the store reopens DuckDB by itself, and nothing acknowledged is lost."""
+    import logging
+    import urllib.request
+    from store.errors import Unavailable
+
+    fs = tmpfs("db", "24m")
+    path = str(fs.path / "x.duckdb")
+    embedded = store.connect(path)
+    caplog.set_level(logging.DEBUG, logger="expstore")
+    try:
+        with running_server(embedded, metrics_port=0) as server, \
+                store.connect(server.location) as s:
+            _table(s)
+            returned = _fill_wal(s)
+            claim = s.claim("t", 5, lease_seconds=600.0)
+            filler = fs.fill(leave=64 * 1024)
+            # The writer checkpoints once idle (seconds): it fails for want of room.
+            rh.wait_until(lambda: s.health()["status"] == "failed", 30,
+                          "health reporting the failed checkpoint")
+            health = s.health()
+            assert "No space left" in health["error"], health
+            assert health["storage"]["reopen_needed"] is True
+            with urllib.request.urlopen(
+                    f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+                scraped = r.read().decode()
+            assert 'expstore_health{error="the database cannot be written: ' in scraped
+            assert 'status="failed"' in scraped and "No space left" in scraped
+            logged_before = len(caplog.records)
+            refused = 0
+            for k in range(200):  # a producer retrying hard: one line, not one per put
+                with pytest.raises(StorageUnavailable, match="No space left.*retry later"):
+                    s.put("t", _rows(f"refused{k}x", 5, big=False))
+                refused += 1
+            with pytest.raises(Unavailable):  # retryable: producers/writer.py retries it
+                s.put("t", _rows("refusedagain", 5, big=False))
+            with pytest.raises(StorageUnavailable):
+                s.ack(claim.claim_id)
+            with pytest.raises(StorageUnavailable, match="a read now would miss"):
+                s.query('SELECT count(*) FROM "t"')
+            noisy = [r for r in caplog.records[logged_before:] if r.levelno >= logging.WARNING]
+            assert len(noisy) <= 3, [r.getMessage()[:120] for r in noisy]
+            filler.unlink()                           # the cause is gone
+            rh.wait_until(lambda: s.health()["status"] == "ok", 30,
+                          "the store recovering once space is free")
+            assert s.ack(claim.claim_id)["acked"] == 5   # the lease stayed as it was
+            more = _rows("after", 30, big=False)
+            s.put("t", more)
+            returned += more["sample_id"]
+            _check_returned(s, returned)
+            assert len(_stored(s)) == len(returned)   # no refused put left a row
+        recovered = [r.getMessage() for r in caplog.records
+                     if "can be written again" in r.getMessage()]
+        assert len(recovered) == 1, recovered
+    finally:
+        embedded.close()
+    with store.connect(path) as s:
+        _check_returned(s, returned)
+        assert len(_stored(s)) == len(returned)
+        assert s.stats("t")["t"]["consumed"] == 5
 
 
 # -- a read-only directory --------------------------------------------------------------------
