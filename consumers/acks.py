@@ -11,8 +11,10 @@ another consumer) stops the step instead of passing unnoticed.
 from __future__ import annotations
 
 import inspect
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Any
+
+from store.errors import Unavailable
 
 __all__ = ["PendingAcks"]
 
@@ -44,10 +46,19 @@ class PendingAcks:
             self._futures.append(answer)
 
     def settle(self) -> None:
-        """Wait until every ack sent so far is durable; raise the first one's error, if any."""
+        """Wait until every ack sent so far is durable; raise the first one's error, if any.
+
+        Raises:
+            Unavailable: the server stopped (at once: its stream's acks fail when it ends), or
+                sent no answer within ``timeout`` seconds.
+        """
         futures, self._futures = self._futures, []
         for future in futures:
-            future.result(self.timeout)
+            try:
+                future.result(self.timeout)
+            except FutureTimeout:
+                raise Unavailable(f"no answer to an ack within {self.timeout:g} s: the server "
+                                  "is overloaded or unreachable") from None
 
     def __len__(self) -> int:
         return len(self._futures)

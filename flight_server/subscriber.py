@@ -12,7 +12,7 @@ import itertools
 import json
 import queue
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -69,6 +69,11 @@ class RemoteSubscription:
         self.global_batch = 0
         self._batches: queue.Queue[RemoteMicroBatch | BaseException | None] = queue.Queue()
         self._pending: dict[int, Future] = {}
+        # Once the stream has ended (the server stopped, was killed, or ended the subscription)
+        # no answer can come: every message waiting for one, and every later one, fails with
+        # this error at once. _pending_lock orders that against new messages.
+        self._ended: ExpstoreError | None = None
+        self._pending_lock = threading.Lock()
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
@@ -112,20 +117,26 @@ class RemoteSubscription:
                     break
                 else:
                     request = meta.get("request")
-                    future = (self._pending.pop(request, None) if isinstance(request, int)
-                              else None)
+                    with self._pending_lock:
+                        future = (self._pending.pop(request, None) if isinstance(request, int)
+                                  else None)
                     if future is not None:
                         future.set_result(meta)
         except StopIteration:
             pass
         except (flight.FlightError, pa.ArrowException) as e:
             if not self._closed:
-                error = from_flight(e)
+                error = _stream_error(e)
         finally:
-            for future in list(self._pending.values()):
+            ended = error or (StoreClosed("the subscription is closed") if self._closed else
+                              Unavailable("the server ended the subscription stream; subscribe "
+                                          "again once it is back"))
+            with self._pending_lock:
+                self._ended = ended
+                pending, self._pending = list(self._pending.values()), {}
+            for future in pending:
                 if not future.done():
-                    future.set_exception(error or StoreClosed("the subscription stream ended"))
-            self._pending.clear()
+                    future.set_exception(_copy(ended))
             self._batches.put(error)
 
     def _send(self, msg: dict[str, Any]) -> Future:
@@ -135,6 +146,11 @@ class RemoteSubscription:
         request = next(self._ids)
         answer: Future = Future()
         result: Future = Future()
+        with self._pending_lock:
+            if self._ended is not None:
+                result.set_exception(_copy(self._ended))
+                return result
+            self._pending[request] = answer
 
         def unwrap(f: Future) -> None:
             try:
@@ -149,7 +165,6 @@ class RemoteSubscription:
                 result.set_result(reply)
 
         answer.add_done_callback(unwrap)
-        self._pending[request] = answer
         self._outbox.put((json.dumps({**msg, "request": request}).encode(), request))
         return result
 
@@ -160,9 +175,10 @@ class RemoteSubscription:
                 with self._lock:
                     self._writer.write_metadata(pa.py_buffer(payload))
             except Exception as e:  # noqa: BLE001 - this thread must go on: its caller hears
-                future = self._pending.pop(request, None) if request is not None else None
+                with self._pending_lock:
+                    future = self._pending.pop(request, None) if request is not None else None
                 if future is not None and not future.done():
-                    future.set_exception(from_flight(e) if isinstance(
+                    future.set_exception(_stream_error(e) if isinstance(
                         e, (flight.FlightError, pa.ArrowException)) else e)
         try:
             with self._lock:
@@ -171,8 +187,8 @@ class RemoteSubscription:
         except (flight.FlightError, pa.ArrowException):
             pass
 
-    def _request(self, msg: dict[str, Any], timeout: float | None = 120.0) -> dict[str, Any]:
-        return self._send(msg).result(timeout)
+    def _request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return _answer(self._send(msg), msg["type"])
 
     # -- the iterator ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[RemoteMicroBatch]:
@@ -212,7 +228,7 @@ class RemoteSubscription:
         self._unsettled.discard(batch.claim_id)
         if kind == "nack":
             self._at_boundary = False  # the rows come back; their slot is free (as embedded)
-        return answer.result(120.0) if wait else answer
+        return _answer(answer, kind) if wait else answer
 
     @property
     def at_boundary(self) -> bool:
@@ -247,3 +263,33 @@ class RemoteSubscription:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: Seconds a caller waits for the answer to an ack, nack, bump or resume of a live stream.
+ANSWER_TIMEOUT = 120.0
+
+
+def _answer(future: Future, what: str) -> dict[str, Any]:
+    """The answer of ``future``; a server that stays silent is Unavailable, not a bare
+    TimeoutError (a stream that ended fails its futures at once, see _receive)."""
+    try:
+        return future.result(ANSWER_TIMEOUT)
+    except FutureTimeout:
+        raise Unavailable(f"no answer to the {what} within {ANSWER_TIMEOUT:g} s: the server is "
+                          "overloaded or unreachable") from None
+
+
+def _stream_error(error: BaseException) -> ExpstoreError:
+    """The store error of a broken subscription stream: the server's typed error where it sent
+    one, else Unavailable (the connection dropped: the server stopped or died)."""
+    translated = from_flight(error)
+    if type(translated) is ExpstoreError or isinstance(translated, InvalidArgument):
+        return Unavailable(f"the subscription stream broke: {translated}; subscribe again once "
+                           "the server is back")
+    return translated
+
+
+def _copy(error: ExpstoreError) -> ExpstoreError:
+    """A fresh exception of the same class (one raised in several threads would gather all of
+    their tracebacks)."""
+    return type(error)(str(error))

@@ -41,3 +41,79 @@ def test_close_with_an_open_subscription_ends_it_and_returns(tmp_path):
         assert len(reopened.claim("agent", 10)) == 2
     finally:
         reopened.close()
+
+
+# -- a trainer's acks once the server is gone: Unavailable at once, never a 120 s hang ----------
+def _outcome(call, bound: float = 60.0) -> BaseException | object:
+    """What ``call()`` raised (or returned), waited for in a thread up to ``bound`` seconds so
+    that a hang fails the test instead of stalling it."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(call())
+        except BaseException as e:  # noqa: BLE001 - the outcome under test
+            box.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(bound)
+    assert box, f"the call hung for {bound} s"
+    return box[0]
+
+
+def _subscribed_server(tmp_path):
+    import reliability_helpers as rh
+    srv = rh.ServerProcess(tmp_path / "x.duckdb").start()
+    remote = store.connect(srv.uri)
+    remote.create_table("agent", {"reward": "float64"})
+    remote.put("agent", {"sample_id": [f"q{i}_0_0" for i in range(4)],
+                         "reward": [1.0, 2.0, 3.0, 4.0]})
+    sub = remote.subscribe("agent", micro_batch_size=1, global_batch_size=4, max_in_flight=3)
+    held = [sub.next(timeout=30) for _ in range(3)]
+    assert all(mb is not None for mb in held)
+    return srv, remote, sub, held
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_acks_after_the_server_stopped_fail_at_once_with_unavailable(tmp_path, how):
+    from consumers.acks import PendingAcks
+    srv, remote, sub, (first, second, third) = _subscribed_server(tmp_path)
+    try:
+        if how == "SIGTERM":
+            assert srv.stop() == 0
+        else:
+            srv.kill()
+        assert isinstance(_outcome(first.ack), store.Unavailable)
+        pending = PendingAcks()
+        pending.send(second)
+        assert isinstance(_outcome(pending.settle), store.Unavailable)
+        assert isinstance(_outcome(lambda: sub.bump_version()), store.Unavailable)
+        assert isinstance(_outcome(third.nack), store.Unavailable)
+        # (max_in_flight=3: no fourth micro-batch was pushed, so the next one is the end)
+        assert isinstance(_outcome(lambda: sub.next(timeout=5)), store.Unavailable)
+    finally:
+        sub.close()
+        remote.close()
+        srv.kill()
+
+
+def test_an_ack_pending_when_the_server_dies_fails_with_unavailable(tmp_path):
+    """An ack sent (not waited for) to a frozen server, which is then killed: its answer can
+    never come, and settling it says so at once."""
+    import os
+    import signal
+    from consumers.acks import PendingAcks
+    srv, remote, sub, (first, _, _) = _subscribed_server(tmp_path)
+    try:
+        os.kill(srv.pid, signal.SIGSTOP)
+        pending = PendingAcks()
+        pending.send(first)
+        assert len(pending) == 1
+        srv.kill()
+        error = _outcome(pending.settle)
+        assert isinstance(error, store.Unavailable), repr(error)
+    finally:
+        sub.close()
+        remote.close()
+        srv.kill()

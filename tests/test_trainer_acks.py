@@ -122,3 +122,18 @@ def test_pending_acks_raise_the_first_error_and_forget_settled_ones() -> None:
         acks.settle()
     assert len(acks) == 0
     acks.settle()  # nothing left: returns at once
+
+
+def test_an_ack_left_unanswered_is_unavailable_not_a_bare_timeout():
+    """An answer that never comes (a server that hangs without closing its stream) ends the
+    wait with the project's retryable error, naming the wait."""
+    from concurrent.futures import Future
+
+    class Silent:
+        def ack(self, wait: bool = True) -> Future:
+            return Future()  # sent, never answered
+
+    acks = PendingAcks(timeout=0.05)
+    acks.send(Silent())
+    with pytest.raises(store.Unavailable, match="no answer to an ack within 0.05 s"):
+        acks.settle()
