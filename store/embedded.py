@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from .blobs import BlobStore
-from .cache import DEFAULT_CACHE_LIMIT, ClaimCache, parse_size
+from .cache import ClaimCache
 from .claims import Claim, ClaimRequest
 from .errors import AlreadyExists, StoreClosed, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
     QueryRefused, QueryTimeout, StorageError, TableFull
@@ -42,6 +42,7 @@ from .naming import check_identifier, quote
 from .opening import connect_duckdb, ensure_catalog, run_checkpoint
 from .prepare import SMALL_ROWS, PreparedPut, check_columns, prepare_put, put_versions, \
     to_arrow_table
+from .settings import StoreSettings
 from .putlog import LeaseUpdate, PutLog, log_path, replay
 from .recovery import load_state
 from .schema import TableDef
@@ -51,15 +52,6 @@ from .writer import BumpOp, CallOp, PutOp, ReadOp, SettleOp, SmallPutOp, Writer
 
 log = logging.getLogger("expstore.store")
 
-RECENT_CLAIMS = 100_000
-#: Ready rows a claim with a predicate evaluates first (then 4x more per round; see _accepted).
-WHERE_FIRST_ROWS = 256
-#: A claim reading rows from DuckDB reads the next ready rows' values too (see _read_values): up
-#: to this many rows, and about this many bytes by the size of the table's rows read last time
-#: (LOAD_AHEAD_FIRST_ROWS before any).
-LOAD_AHEAD_ROWS = 4096
-LOAD_AHEAD_BYTES = 16 << 20
-LOAD_AHEAD_FIRST_ROWS = 1024
 
 
 class EmbeddedStore:
@@ -69,36 +61,22 @@ class EmbeddedStore:
         path: the DuckDB file; created with a fresh catalog if missing.
         blob_dir: where by-reference values go (default ``<path>.blobs``).
         blob_filesystem: a ``pyarrow.fs.FileSystem`` for the blob store (S3, …); default local.
-        ref_threshold: complex values larger than this many bytes go by reference in ``auto``
-            columns.
-        memory_limit: DuckDB's memory limit, e.g. ``"4GB"``.
-        cache_limit: memory for ready rows' values kept so that claims need no DuckDB read
-            (bytes, or a size such as ``"512MB"``; default 1 GiB); rows put while it is full are
-            claimed from DuckDB. See store/cache.py.
-        max_live_rows: the most live rows (pending, ready or being processed) a table may hold;
-            a put that would add rows past it fails with :class:`TableFull` (retryable), so that
-            producers outrunning their consumers cannot grow the server without bound. None: no
-            limit.
-        query_timeout: seconds before an ad-hoc query is cancelled.
-        max_concurrent_queries: ad-hoc queries running at once; more wait their turn, so that
-            people's SQL cannot starve the writer of CPU.
+        settings: the store's settings (:class:`store.settings.StoreSettings`; its defaults
+            when None).
+        **options: fields of :class:`~store.settings.StoreSettings` to set on top of
+            ``settings`` (``cache_limit="512MB"``, ``max_live_rows=100_000``, …).
     """
 
     def __init__(self, path: str, *, blob_dir: str | None = None,
-                 blob_filesystem: pafs.FileSystem | None = None, ref_threshold: int = 512,
-                 memory_limit: str | None = None, cache_limit: int | str = DEFAULT_CACHE_LIMIT,
-                 max_live_rows: int | None = None, query_timeout: float = 30.0,
-                 max_concurrent_queries: int = 2) -> None:
+                 blob_filesystem: pafs.FileSystem | None = None,
+                 settings: StoreSettings | None = None, **options: Any) -> None:
         self.path = path
-        self.cache = ClaimCache(parse_size(cache_limit))
-        if max_live_rows is not None and (not isinstance(max_live_rows, int)
-                                          or isinstance(max_live_rows, bool)
-                                          or max_live_rows < 1):
-            raise InvalidArgument(f"max_live_rows {max_live_rows!r} is invalid; expected a "
-                                  "positive number of rows or None")
-        self.max_live_rows = max_live_rows
-        self.ref_threshold = ref_threshold
-        self.query_timeout = query_timeout
+        self.settings = settings = (settings or StoreSettings()).with_options(**options)
+        self.cache = ClaimCache(settings.cache_bytes)
+        self.max_live_rows = settings.max_live_rows
+        self.ref_threshold = settings.ref_threshold
+        self.query_timeout = settings.query_timeout
+        memory_limit, max_concurrent_queries = settings.memory_limit, settings.max_concurrent_queries
         ensure_catalog(path)
         self._memory_limit = memory_limit
         self._con = connect_duckdb(path, memory_limit)
@@ -136,14 +114,14 @@ class EmbeddedStore:
             heapq.heappush(self._expiry, (lease.expires_at, lease.claim_id))
         for claim_id in state.ended:
             _remember(self._recent_expired, claim_id, "its lease ended before the store "
-                      "restarted")
+                      "restarted", settings.recent_claims)
         self._closed = False
         #: Monotonic counters for monitoring (flight_server.metrics exports them).
         self.counters: dict[str, int] = {
             "rows_put": 0, "puts": 0, "claims": 0, "rows_claimed": 0, "acks": 0,
             "rows_acked": 0, "nacks": 0, "leases_expired": 0, "redeliveries": 0,
             "dead_letters": 0, "stale_rows": 0, "version_bumps": 0}
-        self._writer = Writer(self, self._con, putlog)
+        self._writer = Writer(self, self._con, settings, putlog)
 
     # -- tables --------------------------------------------------------------------------------
     def create_table(self, name: str, columns: Mapping[str, Any], *, if_not_exists: bool = False,
@@ -404,7 +382,7 @@ class EmbeddedStore:
         assert req.where is not None
         matched: set[int] = set()
         asked: set[int] = set()
-        want = max(4 * req.limit, WHERE_FIRST_ROWS)
+        want = max(4 * req.limit, self.settings.where_first_rows)
         while True:
             with self._lock:
                 ready = live.ready_count
@@ -466,7 +444,7 @@ class EmbeddedStore:
 
     def _read_values(self, live: LiveTable, claimed: list[Row]) -> dict[int, tuple[pa.Table, int]]:
         """Values of claimed rows that have none cached, read from DuckDB with those of the next
-        ready rows without them (up to LOAD_AHEAD_ROWS), which the cache keeps for the next
+        ready rows without them (up to ``settings.load_ahead_rows``), which the cache keeps for the next
         claims.
 
         Why ahead: the query costs ~1.5-6 ms at 10^7 rows however few rows it reads (~20 ms for
@@ -476,8 +454,9 @@ class EmbeddedStore:
         A row is marked LOADING while the query runs; a write that replaces its values meanwhile
         replaces the mark, and then what the query read (older) is not kept.
         """
-        want = LOAD_AHEAD_FIRST_ROWS if live.row_bytes is None else \
-            max(1, min(LOAD_AHEAD_ROWS, LOAD_AHEAD_BYTES // max(1, live.row_bytes)))
+        cfg = self.settings
+        want = cfg.load_ahead_first_rows if live.row_bytes is None else \
+            max(1, min(cfg.load_ahead_rows, cfg.load_ahead_bytes // max(1, live.row_bytes)))
         with self._lock:
             ahead = [r for r in live.ready_rows(want) if r.payload is None]
             reading = claimed + ahead
@@ -658,13 +637,16 @@ class EmbeddedStore:
         if how == "ack":
             self.counters["acks"] += 1
             self.counters["rows_acked"] += len(lease.rows)
-            _remember(self._recent_acked, lease.claim_id, len(lease.rows))
+            _remember(self._recent_acked, lease.claim_id, len(lease.rows),
+                      self.settings.recent_claims)
         elif how == "nack":
             self.counters["nacks"] += 1
-            _remember(self._recent_expired, lease.claim_id, "it was nacked")
+            _remember(self._recent_expired, lease.claim_id, "it was nacked",
+                      self.settings.recent_claims)
         else:
             self.counters["leases_expired"] += 1
-            _remember(self._recent_expired, lease.claim_id, "its lease expired")
+            _remember(self._recent_expired, lease.claim_id, "its lease expired",
+                      self.settings.recent_claims)
 
     def _expire(self, lease: Lease) -> None:
         """End an expired lease (lock held): rows ready again, or dead/stale."""
@@ -1072,10 +1054,10 @@ def _member_of(row_ids: set[int]) -> Callable[[Row], bool]:
     return lambda row: row.row_id in row_ids
 
 
-def _remember(d: OrderedDict, key: str, value: Any) -> None:
+def _remember(d: OrderedDict, key: str, value: Any, limit: int) -> None:
     d[key] = value
     d.move_to_end(key)
-    while len(d) > RECENT_CLAIMS:
+    while len(d) > limit:
         d.popitem(last=False)
 
 

@@ -6,7 +6,7 @@ bump's two statements ~1.1 ms, each with its own ``BEGIN``/``COMMIT``. Appending
 a file and fsyncing it takes ~0.1 ms here. So the writer appends such a group to this log, fsyncs
 it and acknowledges it (memory changes as after a commit); it applies the logged changes to DuckDB
 later, many in one statement, at the start of its next DuckDB transaction (and at the latest
-``MATERIALIZE_DELAY`` after the first, see writer.py). Every read of DuckDB waits for that, so SQL
+``settings.materialize_delay`` after the first, see writer.py). Every read of DuckDB waits for that, so SQL
 sees every acknowledged change.
 
 The file ``<database>.putlog`` holds the changes logged since the last materialization: records

@@ -43,6 +43,7 @@ from .prepare import PreparedPut
 from .putlog import LEASE_COLUMNS, LeaseUpdate, PutLog, Record, apply_records, encode, lease_table, \
     lease_update
 from .sources import ListColumns, registered, row_source
+from .settings import StoreSettings
 from .storage_fault import StorageFault
 from .types import one_array
 
@@ -50,43 +51,6 @@ if TYPE_CHECKING:
     from .embedded import EmbeddedStore
 
 log = logging.getLogger("expstore.writer")
-
-MAX_GROUP_OPS = 512
-# Small puts prepared together: at most this many rows in one merged batch.
-MERGED_PUT_ROWS = 4096
-CHECKPOINT_IDLE_SECONDS = 2.0
-# The writer checkpoints between two groups once DuckDB's WAL holds this much (see
-# _checkpoint_if_wal_full); DuckDB's own threshold is set above it (store/opening.py).
-WAL_CHECKPOINT_BYTES = 512 << 20
-# Lease bookkeeping written by claims is soft state: write it at most this often on its own
-# (it rides along for free whenever another change commits sooner).
-LEASE_FLUSH_DELAY = 0.25
-# Up to this many keys are looked up one by one (a filtered scan: ~0.7 ms each at 10 k rows, ~2 ms
-# at 1 M); more are joined against the table (one scan: ~2.2 ms at 10 k rows, ~3.2 ms at 1 M).
-POINT_LOOKUP_KEYS = 4
-# Up to this many new rows are inserted with one parametrised INSERT … VALUES (~1.1 ms for one
-# row against ~2.3 ms for register + INSERT … SELECT + unregister; +0.25 ms a row, +0.02 there).
-VALUES_INSERT_ROWS = 4
-# The same for rows updated (~1.3 ms against ~2.2 ms for one row).
-VALUES_UPDATE_ROWS = 4
-# A group commit staging at least this many blob bytes writes them on the blob thread while
-# its statements run (see Writer._transaction); smaller ones write inline, a hand-off would
-# only add latency.
-OVERLAP_BLOB_BYTES = 1 << 20
-# Groups of puts whose rows are all new and claimable as written, of at most this many rows,
-# are made durable in the put log and inserted into DuckDB later (see store/putlog.py).
-LOG_PUT_ROWS = 4096
-# Logged rows go into DuckDB with the next DuckDB transaction, or once this many are waiting,
-# or this long after the first of them, whichever comes first. Applying them is a transaction
-# of a few statements (5-10 ms) that a waited ack or put arriving meanwhile waits for: every
-# 0.1 s put that in the p99 (claim + waited ack 10-14 ms, put -> delivered 9 ms), every 0.5 s
-# not (3.5-4 ms); the row bound keeps one apply of bulk puts short (~30 ms for narrow rows).
-MATERIALIZE_ROWS = 16384
-MATERIALIZE_DELAY = 0.5
-# While a checkpoint runs (seconds for a full WAL), logged rows wait for it up to this many:
-# inserting them would wait for the checkpoint, and so would every write behind them.
-MATERIALIZE_MAX_ROWS = 262144
-
 
 _WAKE = object()  # queued by Writer.poke
 
@@ -207,8 +171,9 @@ class Writer:
     """Runs in its own thread; see the module docstring."""
 
     def __init__(self, store: "EmbeddedStore", con: duckdb.DuckDBPyConnection,
-                 putlog: PutLog | None = None) -> None:
+                 settings: StoreSettings, putlog: PutLog | None = None) -> None:
         self._store = store
+        self._settings = settings
         self._con = con
         self._putlog = putlog
         # Changes durable in the put log, not yet in DuckDB, oldest first.
@@ -217,7 +182,7 @@ class Writer:
         self.logged_rows = 0
         self._logged_since: float | None = None
         # After a failed insert of logged rows (a full disk), wait this long before the next try.
-        self._retry_delay = MATERIALIZE_DELAY
+        self._retry_delay = self._settings.materialize_delay
         self._retry_at = 0.0
         # Ops; None: close; _WAKE: recompute how long to sleep (see poke)
         self._queue: queue.Queue[Op | object | None] = queue.Queue()
@@ -240,7 +205,7 @@ class Writer:
         self._checkpointing: Future | None = None
         self._wal_path = f"{store.path}.wal"
         self._wal_retry_at = 0.0  # after a deferred checkpoint of a full WAL, when to try again
-        # Whether the WAL may have reached WAL_CHECKPOINT_BYTES since it was last measured: only
+        # Whether the WAL may have reached settings.wal_checkpoint_bytes since it was last measured: only
         # the writer's DuckDB commits grow it, so groups made durable in the put log (a
         # trainer's acks, small puts) do not measure it again.
         self._wal_may_be_full = True
@@ -274,9 +239,9 @@ class Writer:
         return self._queue.qsize()
 
     def poke(self) -> None:
-        """Ask for a flush of lease bookkeeping within LEASE_FLUSH_DELAY (never blocks)."""
+        """Ask for a flush of lease bookkeeping within settings.lease_flush_delay (never blocks)."""
         if self._flush_due is None:
-            self._flush_due = time.monotonic() + LEASE_FLUSH_DELAY
+            self._flush_due = time.monotonic() + self._settings.lease_flush_delay
             # An idle writer sleeps until the next lease expiry or checkpoint (up to 2 s): wake
             # it to sleep until the flush is due instead.
             self._queue.put(_WAKE)
@@ -346,13 +311,13 @@ class Writer:
     def _serve(self) -> None:
         while True:
             timeout = self._store._next_expiry_in()
-            timeout = CHECKPOINT_IDLE_SECONDS if timeout is None else min(
-                timeout, CHECKPOINT_IDLE_SECONDS)
+            idle = self._settings.checkpoint_idle_seconds
+            timeout = idle if timeout is None else min(timeout, idle)
             if self._flush_due is not None:
                 timeout = max(0.0, min(timeout, self._flush_due - time.monotonic()))
             if self._logged_since is not None and not self._checkpoint_running():
                 # (a running checkpoint wakes the loop when it ends: see _start_checkpoint)
-                timeout = max(0.0, min(timeout, max(self._logged_since + MATERIALIZE_DELAY,
+                timeout = max(0.0, min(timeout, max(self._logged_since + self._settings.materialize_delay,
                                                     self._retry_at) - time.monotonic()))
             if self._fault is not None:
                 timeout = min(timeout, self._fault.seconds_to_retry())
@@ -378,7 +343,7 @@ class Writer:
             stop = first is None
             if isinstance(first, Op):
                 ops.append(first)
-            while not stop and len(ops) < MAX_GROUP_OPS:
+            while not stop and len(ops) < self._settings.max_group_ops:
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
@@ -505,11 +470,12 @@ class Writer:
     def _materialize_due(self) -> bool:
         if self._logged_since is None:
             return False
-        if self._checkpoint_running() and self.logged_rows < MATERIALIZE_MAX_ROWS:
+        if self._checkpoint_running() and self.logged_rows < self._settings.materialize_max_rows:
             return False
         now = time.monotonic()
-        return now >= self._retry_at and (self.logged_rows >= MATERIALIZE_ROWS
-                                          or now - self._logged_since >= MATERIALIZE_DELAY)
+        return now >= self._retry_at and (
+            self.logged_rows >= self._settings.materialize_rows
+            or now - self._logged_since >= self._settings.materialize_delay)
 
     def _drain(self, error: ExpstoreError) -> None:
         """Fail every op still queued with ``error``."""
@@ -533,12 +499,12 @@ class Writer:
         """
         if self._fault is not None or self._checkpoint_running() or \
                 not self._dirty_since_checkpoint or \
-                time.monotonic() - self._last_commit < CHECKPOINT_IDLE_SECONDS:
+                time.monotonic() - self._last_commit < self._settings.checkpoint_idle_seconds:
             return
         self._start_checkpoint()
 
     def _checkpoint_if_wal_full(self) -> None:
-        """Start a CHECKPOINT, on every core, once DuckDB's WAL holds WAL_CHECKPOINT_BYTES.
+        """Start a CHECKPOINT, on every core, once DuckDB's WAL holds settings.wal_checkpoint_bytes.
 
         Why not DuckDB's own threshold: under sustained ingest (no idle time) DuckDB checkpoints
         inside the COMMIT that crosses it, on its one thread: a put of 262,144 narrow rows took
@@ -552,7 +518,7 @@ class Writer:
             size = os.path.getsize(self._wal_path)
         except OSError:  # no WAL: nothing committed since the last checkpoint
             size = 0
-        if size < WAL_CHECKPOINT_BYTES:
+        if size < self._settings.wal_checkpoint_bytes:
             self._wal_may_be_full = False
         elif time.monotonic() >= self._wal_retry_at:
             self._start_checkpoint()  # measured again once it ends (deferred: still full)
@@ -634,7 +600,7 @@ class Writer:
         rows = 0
         for op in ops:
             if isinstance(op, SmallPutOp):
-                if run and (op.table != run[0].table or rows + op.data.num_rows > MERGED_PUT_ROWS
+                if run and (op.table != run[0].table or rows + op.data.num_rows > self._settings.merged_put_rows
                             or not op.data.schema.equals(run[0].data.schema)):
                     out.extend(self._prepare_run(run))
                     run, rows = [], 0
@@ -818,7 +784,7 @@ class Writer:
         the group must go through DuckDB.
 
         A group qualifies when it is only puts, acks and bumps (see _bumps_apart),
-        its puts of at most LOG_PUT_ROWS rows, every row new (a key DuckDB may hold goes through
+        its puts of at most settings.log_put_rows rows, every row new (a key DuckDB may hold goes through
         DuckDB, which decides insert or update) and every ready row claimable from the values
         written (claims must not read DuckDB for it). The group runs as in a transaction, but
         its statements become records; its blob chunks are written and fsynced before the
@@ -832,7 +798,7 @@ class Writer:
         if self._putlog is None or (not ops and not store._has_pending_row_updates()) or any(
                 not isinstance(op, (PutOp, BumpOp)) and not (isinstance(op, SettleOp) and op.ack)
                 for op in ops) \
-                or sum(op.prepared.rows for op in puts) > LOG_PUT_ROWS:
+                or sum(op.prepared.rows for op in puts) > self._settings.log_put_rows:
             return None
         txn = _Txn()
         txn.logged = []
@@ -846,7 +812,7 @@ class Writer:
             return None
         blobs = store.blobs
         writing = self._blob_io.submit(blobs.sync) \
-            if blobs.pending_bytes >= OVERLAP_BLOB_BYTES else None
+            if blobs.pending_bytes >= self._settings.overlap_blob_bytes else None
         updates = self._log_row_updates(txn)
         try:
             encoded = encode(txn.logged)
@@ -885,7 +851,7 @@ class Writer:
         self._evict_logged_values()
         self.logged_rows = 0
         self._logged_since = None
-        self._retry_delay = MATERIALIZE_DELAY
+        self._retry_delay = self._settings.materialize_delay
         self._retry_at = 0.0
         assert self._putlog is not None
         try:
@@ -906,7 +872,7 @@ class Writer:
         for op in ops:
             if isinstance(op, PutOp):
                 txn.physical[id(op)] = self._with_blob_keys(op.prepared)
-        if blobs.pending_bytes < OVERLAP_BLOB_BYTES or \
+        if blobs.pending_bytes < self._settings.overlap_blob_bytes or \
                 any(isinstance(op, CallOp) for op in ops):
             return None
         return self._blob_io.submit(blobs.sync)
@@ -1022,7 +988,7 @@ class Writer:
             if txn.logged is not None:
                 txn.logged.append(("rows", {"table": tname},
                                    _as_inserted(new_rows, inserted, current)))
-            elif new_rows.num_rows <= VALUES_INSERT_ROWS and _bindable(new_rows, sources):
+            elif new_rows.num_rows <= self._settings.values_insert_rows and _bindable(new_rows, sources):
                 # A few rows: one parametrised INSERT … VALUES costs half of register +
                 # INSERT … SELECT + unregister; the same expressions, with parameters.
                 one = "(" + ", ".join(e.format("?") for _, e, _ in inserted) + ")"
@@ -1051,7 +1017,7 @@ class Writer:
             for c in data_cols:
                 used += [c, f"{c}__w"] + ([ref] if (ref := tdef.column(c).ref) else [])
             used += status_cols
-            if old_rows.num_rows <= VALUES_UPDATE_ROWS and _bindable(old_rows, used):
+            if old_rows.num_rows <= self._settings.values_update_rows and _bindable(old_rows, used):
                 # A few rows (partial writes of single samples): the batch's columns as a
                 # parametrised VALUES list instead of a registered Arrow table.
                 one = "(" + ", ".join(["?"] * len(used)) + ")"
@@ -1232,7 +1198,7 @@ class Writer:
         """Row ids of keys already in DuckDB (only terminal rows can be; live ones are known)."""
         if not self._store._may_have_terminal_rows(table):
             return {}
-        if len(keys) <= POINT_LOOKUP_KEYS:  # a few filtered scans cost less than one join
+        if len(keys) <= self._settings.point_lookup_keys:  # a few filtered scans cost less than one join
             out: dict[tuple[str, int], int] = {}
             for key in keys:
                 hit = self._con.execute(

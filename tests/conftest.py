@@ -73,6 +73,17 @@ def _remote_store(db: Any) -> Iterator[Any]:
             s.close()
 
 
+# Logged changes (store/putlog.py) wait for a read, a materialize() or the close, never for a
+# timer, so that a test sees them logged without racing the writer.
+SLOW_INSERTS = {"materialize_delay": 3600.0, "lease_flush_delay": 3600.0}
+
+
+@pytest.fixture
+def slow_inserts(open_store) -> Callable[..., Any]:
+    """``open_store`` with :data:`SLOW_INSERTS` (further options on top)."""
+    return lambda path=None, **options: open_store(path, **{**SLOW_INSERTS, **options})
+
+
 @pytest.fixture
 def open_store(db_path) -> Iterator[Callable[..., Any]]:
     """Open (and later close) embedded stores; call it again after ``close()`` to reopen."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from store.settings import StoreSettings
 import store
 from flight_fixtures import running_server
 from store import writer
@@ -14,7 +15,7 @@ from store.errors import InvalidArgument
 
 COLUMNS = {"response": "string", "reward": "float64", "token_ids": "list<int32>",
            "note": "string"}
-BULK = writer.LOG_PUT_ROWS + 100  # over the put log's bound: a DuckDB transaction
+BULK = StoreSettings().log_put_rows + 100  # over the put log's bound: a DuckDB transaction
 
 
 def _rows(prefix: str, n: int) -> dict:
@@ -51,12 +52,6 @@ def _claim_order(sample_id: str) -> tuple[str, int, int]:
     input_id, turn, trajectory = sample_id.rsplit("_", 2)
     return (input_id, int(turn), int(trajectory))
 
-
-@pytest.fixture
-def slow_inserts(monkeypatch):
-    """Logged rows reach DuckDB when the test says so (a read), not on a timer."""
-    monkeypatch.setattr(writer, "MATERIALIZE_DELAY", 3600.0)
-    monkeypatch.setattr(writer, "LEASE_FLUSH_DELAY", 3600.0)
 
 
 def test_rows_put_while_the_cache_is_full_are_claimed_from_duckdb(open_store):
@@ -110,8 +105,8 @@ def test_partial_writes_completed_past_the_limit_are_claimed_from_duckdb(open_st
     assert _claim_all(s) == _by_id(data)
 
 
-def test_put_log_rows_stay_cached_until_duckdb_has_them(open_store, slow_inserts):
-    s = open_store(cache_limit=0)
+def test_put_log_rows_stay_cached_until_duckdb_has_them(slow_inserts):
+    s = slow_inserts(cache_limit=0)
     _table(s)
     data = _rows("q", 16)
     s.put("t", data)
@@ -123,9 +118,8 @@ def test_put_log_rows_stay_cached_until_duckdb_has_them(open_store, slow_inserts
     assert _claim_all(s) == _by_id(data)
 
 
-def test_put_log_rows_under_the_limit_stay_cached_after_duckdb_has_them(open_store,
-                                                                         slow_inserts):
-    s = open_store()
+def test_put_log_rows_under_the_limit_stay_cached_after_duckdb_has_them(slow_inserts):
+    s = slow_inserts()
     _table(s)
     s.put("t", _rows("q", 16))
     used = s.cache.used
@@ -133,9 +127,8 @@ def test_put_log_rows_under_the_limit_stay_cached_after_duckdb_has_them(open_sto
     assert s.cache.used == used > 0
 
 
-def test_rows_leased_while_the_cache_evicts_come_back_with_their_values(open_store,
-                                                                       slow_inserts):
-    s = open_store(cache_limit=0)
+def test_rows_leased_while_the_cache_evicts_come_back_with_their_values(slow_inserts):
+    s = slow_inserts(cache_limit=0)
     _table(s)
     data = _rows("q", 16)
     s.put("t", data)

@@ -18,11 +18,12 @@ import pyarrow as pa
 import pytest
 
 import store
+from conftest import SLOW_INSERTS
 from waiting import wait_until
 from store.errors import StaleVersion
 from store.putlog import PutLog, Record, log_path, read_records
 from store import writer
-from store.writer import MATERIALIZE_DELAY
+from store.settings import StoreSettings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLUMNS = {"prompt": "string", "response": "string", "reward": "float64"}
@@ -33,15 +34,9 @@ def _row(i: int, **extra: object) -> dict:
             "reward": float(i), **extra}
 
 
-@pytest.fixture
-def slow_inserts(monkeypatch):
-    """Logged changes wait for a read or the close, not for a timer (no race with the test)."""
-    monkeypatch.setattr(writer, "MATERIALIZE_DELAY", 3600.0)
-    monkeypatch.setattr(writer, "LEASE_FLUSH_DELAY", 3600.0)
 
-
-def test_a_one_row_put_is_logged_then_inserted(open_store, db_path, slow_inserts):
-    s = open_store()
+def test_a_one_row_put_is_logged_then_inserted(db_path, slow_inserts):
+    s = slow_inserts()
     s.create_table("t", COLUMNS)
     s.put("t", [_row(1)])
     # Acknowledged, durable in the log, not yet in DuckDB.
@@ -63,7 +58,7 @@ def test_logged_rows_reach_duckdb_without_a_read(open_store, db_path):
     s = open_store()
     s.create_table("t", COLUMNS)
     s.put("t", [_row(1)])
-    wait_until(lambda: s._writer.logged_rows == 0, timeout=MATERIALIZE_DELAY * 50)
+    wait_until(lambda: s._writer.logged_rows == 0, timeout=StoreSettings().materialize_delay * 50)
     assert os.path.getsize(log_path(db_path)) == 0
 
 
@@ -139,9 +134,8 @@ def test_a_bad_put_in_a_group_fails_alone(open_store):
 
 CHILD = textwrap.dedent("""
     import os, signal, sys
-    import store, store.writer
-    store.writer.MATERIALIZE_DELAY = 3600.0  # the rows must still wait in the log when killed
-    s = store.connect(sys.argv[1])
+    import store
+    s = store.connect(sys.argv[1], materialize_delay=3600.0)  # rows still logged when killed
     s.create_table("t", {"prompt": "string", "response": "string", "reward": "float64"})
     pad = "x" * int(sys.argv[3])  # 4,000: the response goes to the blob store
     for i in range(int(sys.argv[2])):
@@ -197,16 +191,16 @@ def _append(db_path: str, records: list[Record]) -> None:
         log.close()
 
 
-def test_replay_skips_rows_duckdb_already_has(open_store, db_path, slow_inserts):
+def test_replay_skips_rows_duckdb_already_has(db_path, slow_inserts):
     """A crash after the COMMIT that inserted logged rows but before the log was cut back."""
-    s = open_store()
+    s = slow_inserts()
     s.create_table("t", COLUMNS)
     s.put("t", [_row(1)])
     records = _logged_records(db_path)
     s.query("SELECT 1")  # inserts them
     s.close()
     _append(db_path, records)
-    s = open_store()
+    s = slow_inserts()
     assert s.query("SELECT count(*) AS n FROM t").column("n").to_pylist() == [1]
     assert os.path.getsize(log_path(db_path)) == 0
 
@@ -221,8 +215,8 @@ def _one_row_record(open_store, db_path: str) -> Record:
     return record
 
 
-def test_replay_keeps_whole_records_and_drops_a_torn_tail(open_store, db_path, slow_inserts):
-    kind, header, rows = _one_row_record(open_store, db_path)
+def test_replay_keeps_whole_records_and_drops_a_torn_tail(db_path, slow_inserts):
+    kind, header, rows = _one_row_record(slow_inserts, db_path)
     # One whole record (q5), then half of another (q6): a crash in the middle of its write,
     # so q6 was never acknowledged.
     _append(db_path, [(kind, header, _as_sample(rows, 5, 100))])
@@ -232,40 +226,40 @@ def test_replay_keeps_whole_records_and_drops_a_torn_tail(open_store, db_path, s
         f.truncate(whole + (os.path.getsize(log_path(db_path)) - whole) // 2)
     assert [r.column("sample_id").to_pylist() for _, _, r in _logged_records(db_path)] == [
         ["q5_0_0"]]
-    s = open_store()
+    s = slow_inserts()
     assert sorted(s.query("SELECT sample_id FROM t").column(0).to_pylist()) == [
         "q1_0_0", "q5_0_0"]
     assert s.stats("t")["t"]["ready"] == 2
 
 
-def test_a_log_record_of_a_dropped_table_is_ignored(open_store, db_path, slow_inserts):
-    s = open_store()
+def test_a_log_record_of_a_dropped_table_is_ignored(db_path, slow_inserts):
+    s = slow_inserts()
     s.create_table("t", COLUMNS)
     s.put("t", [_row(1)])
     records = _logged_records(db_path)
     s.drop_table("t")
     s.close()
     _append(db_path, records)
-    s = open_store()
+    s = slow_inserts()
     assert s.list_tables() == []
     assert os.path.getsize(log_path(db_path)) == 0
 
 
-def test_a_damaged_record_is_not_replayed(db_path, open_store, slow_inserts):
-    kind, header, rows = _one_row_record(open_store, db_path)
+def test_a_damaged_record_is_not_replayed(db_path, slow_inserts):
+    kind, header, rows = _one_row_record(slow_inserts, db_path)
     _append(db_path, [(kind, header, _as_sample(rows, 7, 100))])
     raw = bytearray(open(log_path(db_path), "rb").read())
     raw[-5] ^= 0xFF  # a flipped bit in the body: the digest no longer matches
     open(log_path(db_path), "wb").write(raw)
     assert _logged_records(db_path) == []
-    s = open_store()
+    s = slow_inserts()
     assert s.query("SELECT sample_id FROM t").column(0).to_pylist() == ["q1_0_0"]
 
 
 def test_through_the_server_sql_and_subscriptions_see_logged_puts(tmp_path, slow_inserts):
     from flight_fixtures import running_server
 
-    with running_server(tmp_path / "s.duckdb") as srv:
+    with running_server(tmp_path / "s.duckdb", **SLOW_INSERTS) as srv:
         uri = f"grpc://127.0.0.1:{srv.port}"
         with store.connect(uri) as producer, store.connect(uri) as trainer:
             producer.create_table("t", COLUMNS)
@@ -286,8 +280,8 @@ def test_through_the_server_sql_and_subscriptions_see_logged_puts(tmp_path, slow
 
 
 # -- acks and bumps ---------------------------------------------------------------------------
-def test_acks_and_bumps_are_logged_and_sql_sees_them(open_store, db_path, slow_inserts):
-    s = open_store()
+def test_acks_and_bumps_are_logged_and_sql_sees_them(db_path, slow_inserts):
+    s = slow_inserts()
     s.create_table("t", COLUMNS)
     for i in range(6):
         s.put("t", [_row(i)])
@@ -306,8 +300,8 @@ def test_acks_and_bumps_are_logged_and_sql_sees_them(open_store, db_path, slow_i
     assert s._writer.logged_rows == 0
 
 
-def test_a_nack_after_logged_changes_keeps_their_order(open_store, slow_inserts):
-    s = open_store()
+def test_a_nack_after_logged_changes_keeps_their_order(slow_inserts):
+    s = slow_inserts()
     s.create_table("t", COLUMNS)
     s.put("t", [_row(1)])  # logged
     claim = s.claim("t", 4)
@@ -321,9 +315,8 @@ def test_a_nack_after_logged_changes_keeps_their_order(open_store, slow_inserts)
 
 CHILD_ACKS = textwrap.dedent("""
     import os, signal, sys
-    import store, store.writer
-    store.writer.MATERIALIZE_DELAY = 3600.0  # the changes must still wait in the log
-    s = store.connect(sys.argv[1])
+    import store
+    s = store.connect(sys.argv[1], materialize_delay=3600.0)  # changes still logged when killed
     s.create_table("t", {"prompt": "string", "reward": "float64"})
     for i in range(10):
         s.put("t", [{"sample_id": f"q{i}_0_0", "prompt": f"p{i}", "reward": float(i)}])
@@ -355,8 +348,8 @@ def test_kill_9_loses_no_logged_ack_or_bump(open_store, db_path):
     assert got.column("n").to_pylist() == [6]
 
 
-def test_replaying_acks_and_bumps_twice_changes_nothing(open_store, db_path, slow_inserts):
-    s = open_store()
+def test_replaying_acks_and_bumps_twice_changes_nothing(db_path, slow_inserts):
+    s = slow_inserts()
     s.create_table("t", COLUMNS)
     for i in range(3):
         s.put("t", [_row(i)])
@@ -369,17 +362,17 @@ def test_replaying_acks_and_bumps_twice_changes_nothing(open_store, db_path, slo
                      "FROM t ORDER BY sample_id").to_pylist()
     s.close()
     _append(db_path, records)  # as if the log had not been cut back after their COMMIT
-    s = open_store()
+    s = slow_inserts()
     assert s.query("SELECT sample_id, consumed, stale, delivery_count, consumed_version "
                    "FROM t ORDER BY sample_id").to_pylist() == before
     assert s.query("SELECT count(*) AS n FROM _expstore_versions").column(0).to_pylist() == [2]
     assert s.get_version("t") == 1
 
 
-def test_logged_changes_of_one_row_apply_in_log_order(open_store, db_path, slow_inserts):
+def test_logged_changes_of_one_row_apply_in_log_order(db_path, slow_inserts):
     """Records are applied one statement per kind and table: the last lease of a row wins, and
     acks interleaved with puts land on the rows the puts inserted."""
-    s = open_store()
+    s = slow_inserts()
     s.create_table("t", COLUMNS, lease_seconds=60.0)
     s.put("t", [_row(0)])
     first = s.claim("t", 1, lease_seconds=0.2)
@@ -406,8 +399,8 @@ def test_logged_changes_of_one_row_apply_in_log_order(open_store, db_path, slow_
     assert s.query("SELECT count(*) AS n FROM t WHERE consumed").column(0).to_pylist() == [6]
 
 
-def test_a_replayed_old_bump_never_takes_the_version_back(open_store, db_path, slow_inserts):
-    s = open_store()
+def test_a_replayed_old_bump_never_takes_the_version_back(db_path, slow_inserts):
+    s = slow_inserts()
     s.create_table("t", COLUMNS)
     s.bump_version("t")
     old = _logged_records(db_path)
@@ -415,13 +408,13 @@ def test_a_replayed_old_bump_never_takes_the_version_back(open_store, db_path, s
     s.bump_version("t")
     s.close()
     _append(db_path, old)  # a cut that did not survive, records of version 1 found again
-    s = open_store()
+    s = slow_inserts()
     assert s.get_version("t") == 2
     assert s.query("SELECT version FROM _expstore_groups").column(0).to_pylist() == [2]
 
 
-def test_a_cut_is_durable_before_another_commit(open_store, db_path, slow_inserts):
-    s = open_store()
+def test_a_cut_is_durable_before_another_commit(db_path, slow_inserts):
+    s = slow_inserts()
     s.create_table("t", COLUMNS)
     s.put("t", [_row(1)])
     s.query("SELECT 1")  # applies the record, cuts the log
@@ -445,8 +438,7 @@ def test_puts_acks_and_bumps_do_not_wait_for_an_idle_checkpoint(tmp_path, monkey
         return real(cursor)
 
     monkeypatch.setattr(writer, "_checkpoint", held)
-    monkeypatch.setattr(writer, "CHECKPOINT_IDLE_SECONDS", 0.05)
-    s = store.connect(str(tmp_path / "x.duckdb"))
+    s = store.connect(str(tmp_path / "x.duckdb"), checkpoint_idle_seconds=0.05)
     try:
         s.create_table("t", COLUMNS, max_staleness=0)
         s.put("t", [_row(i) for i in range(3)])

@@ -2,17 +2,19 @@
 the writer between two groups once DuckDB's WAL is full, instead of inside a COMMIT."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import duckdb
 
+from store.settings import StoreSettings
 import store
 from store import opening, writer
 
 COLUMNS = {"reward": "float64", "tag": "string"}
-ROWS = writer.LOG_PUT_ROWS + 1000  # over the put log's bound: committed to DuckDB's WAL
+ROWS = StoreSettings().log_put_rows + 1000  # over the put log's bound: committed to DuckDB's WAL
 
 
 def _rows(start: int, n: int = ROWS) -> dict:
@@ -28,15 +30,20 @@ def _wal_bytes(path) -> int:
         return 0
 
 
-def test_the_writer_checkpoints_a_full_wal_between_groups(db_path, monkeypatch, wait_until):
-    monkeypatch.setattr(writer, "CHECKPOINT_IDLE_SECONDS", 3600.0)  # no idle checkpoint
-    s = store.connect(db_path)
+def _full_wal_at(s, nbytes: int) -> None:
+    """Move a running store's full-WAL threshold (the test learns the WAL's size as it goes)."""
+    w = s._writer  # noqa: SLF001
+    w._settings = dataclasses.replace(w._settings, wal_checkpoint_bytes=nbytes)  # noqa: SLF001
+
+
+def test_the_writer_checkpoints_a_full_wal_between_groups(db_path, wait_until):
+    s = store.connect(db_path, checkpoint_idle_seconds=3600.0)  # no idle checkpoint
     try:
         s.create_table("t", COLUMNS)
         s.put("t", _rows(0))
         held = _wal_bytes(db_path)
         assert held > 0  # under the threshold: the WAL keeps the rows
-        monkeypatch.setattr(writer, "WAL_CHECKPOINT_BYTES", held + 1)
+        _full_wal_at(s, held + 1)
         s.put("t", _rows(ROWS))  # crosses it: the writer checkpoints after this group
         wait_until(lambda: _wal_bytes(db_path) < held, timeout=30)
         assert s.query("SELECT count(*) AS n, sum(reward) AS r FROM t").to_pylist() == \
@@ -55,8 +62,6 @@ def test_the_writer_checkpoints_a_full_wal_between_groups(db_path, monkeypatch, 
 def test_only_duckdb_commits_make_the_writer_measure_the_wal(db_path, monkeypatch):
     """Groups made durable in the put log (acks, small puts) leave DuckDB's WAL as it was, so
     the writer does not stat it after them; after a DuckDB commit it does."""
-    monkeypatch.setattr(writer, "CHECKPOINT_IDLE_SECONDS", 3600.0)  # no idle checkpoint
-    monkeypatch.setattr(writer, "MATERIALIZE_DELAY", 3600.0)  # logged rows stay logged
     wal = f"{db_path}.wal"
     measured: list[str] = []
     real_getsize = os.path.getsize
@@ -67,7 +72,8 @@ def test_only_duckdb_commits_make_the_writer_measure_the_wal(db_path, monkeypatc
         return real_getsize(path)
 
     monkeypatch.setattr(writer.os.path, "getsize", getsize)
-    s = store.connect(db_path)
+    # no idle checkpoint; logged rows stay logged
+    s = store.connect(db_path, checkpoint_idle_seconds=3600.0, materialize_delay=3600.0)
     try:
         s.create_table("t", COLUMNS)
         s.put("t", _rows(0))
@@ -88,7 +94,6 @@ def test_writes_the_put_log_takes_go_on_while_a_full_wal_is_checkpointed(db_path
     """The checkpoint of a full WAL runs on the checkpoint thread: a small put, a claim's ack
     and a version bump are answered while it runs (held here until they are), and nothing is
     lost once it ends."""
-    monkeypatch.setattr(writer, "CHECKPOINT_IDLE_SECONDS", 3600.0)  # no idle checkpoint
     started, release = threading.Event(), threading.Event()
     real = writer._checkpoint  # noqa: SLF001
 
@@ -98,12 +103,12 @@ def test_writes_the_put_log_takes_go_on_while_a_full_wal_is_checkpointed(db_path
         return real(cursor)
 
     monkeypatch.setattr(writer, "_checkpoint", held_checkpoint)
-    s = store.connect(db_path)
+    s = store.connect(db_path, checkpoint_idle_seconds=3600.0)  # no idle checkpoint
     calls = ThreadPoolExecutor(max_workers=1)
     try:
         s.create_table("t", COLUMNS)
         s.put("t", _rows(0))
-        monkeypatch.setattr(writer, "WAL_CHECKPOINT_BYTES", _wal_bytes(db_path) + 1)
+        _full_wal_at(s, _wal_bytes(db_path) + 1)
         s.put("t", _rows(ROWS))  # crosses it: the writer starts the checkpoint after this group
         assert started.wait(30)
         small = _rows(2 * ROWS, 10)

@@ -258,10 +258,9 @@ def test_lease_owner_and_processing_visible_in_sql(any_store, wait_until):
 
 
 def test_an_idle_writer_flushes_a_claims_lease_when_due(tmp_path, monkeypatch, wait_until):
-    """A claim asks for its lease columns to be written within LEASE_FLUSH_DELAY; an idle writer
-    sleeping until its next checkpoint (here: a minute) is woken for it."""
-    monkeypatch.setattr(store.writer, "CHECKPOINT_IDLE_SECONDS", 60.0)
-    s = store.connect(str(tmp_path / "x.duckdb"))
+    """A claim asks for its lease columns to be written within ``lease_flush_delay``; an idle
+    writer sleeping until its next checkpoint (here: a minute) is woken for it."""
+    s = store.connect(str(tmp_path / "x.duckdb"), checkpoint_idle_seconds=60.0)
     try:
         s.create_table("t", {"reward": "float64"})
         _fill(s, "t", ["a_0_0"])

@@ -14,6 +14,7 @@ import pytest
 import reliability_helpers as rh
 import store.live
 import store.writer
+from store.settings import StoreSettings
 from store.errors import StaleVersion
 
 COLUMNS = {"prompt": "string", "response": "string", "reward": "float64"}
@@ -324,10 +325,9 @@ def test_values_insert_matches_the_arrow_insert(open_store, tmp_path, monkeypatc
     rows = [{c: v for c, v in r.items() if c not in drop} for r in _typed_rows(k)]
     columns = {c: t for c, t in TYPES.items() if c not in drop}
     snapshots = []
-    for limit in (store.writer.VALUES_INSERT_ROWS, 0):
-        monkeypatch.setattr(store.writer, "VALUES_INSERT_ROWS", limit)
-        monkeypatch.setattr(store.writer, "VALUES_UPDATE_ROWS", limit)
-        s = open_store(str(tmp_path / f"v{limit}.duckdb"))
+    for limit in (StoreSettings().values_insert_rows, 0):
+        s = open_store(str(tmp_path / f"v{limit}.duckdb"), values_insert_rows=limit,
+                       values_update_rows=limit)
         s.create_table("t", columns, required=["b"] if "b" in columns else None)
         s.put("t", rows)
         s.put("t", rows[: k // 2] + [{"sample_id": "more_0_0", "f64": 2.0}])  # update + insert

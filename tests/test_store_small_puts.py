@@ -15,7 +15,8 @@ import pyarrow as pa
 import pytest
 
 from store.errors import InvalidArgument, NotFound, SchemaMismatch, StaleVersion
-from store.writer import LOG_PUT_ROWS, CallOp
+from store.settings import StoreSettings
+from store.writer import CallOp
 from thread_helpers import run_threads
 
 COLUMNS = {"prompt": "string", "reward": "float64"}
@@ -141,7 +142,7 @@ def test_bulk_puts_of_one_group_that_rewrite_each_others_rows_store_what_one_by_
         open_store, tmp_path):
     # Over the put log's bound, so one DuckDB transaction: the second put rewrites half of the
     # first's new rows (found among the transaction's new keys), the third is new again.
-    n = LOG_PUT_ROWS + 100
+    n = StoreSettings().log_put_rows + 100
     writes = [_bulk("b", range(n), 1.0), _bulk("b", range(n // 2, n + n // 2), 2.0),
               _bulk("c", range(n), 3.0)]
     grouped = open_store(str(tmp_path / "grouped.duckdb"))

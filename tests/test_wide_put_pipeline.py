@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
+from store.settings import StoreSettings
 import store
 import store.blobs as blobs
 import store.writer as writer
@@ -265,7 +266,7 @@ def test_a_failed_overlapped_blob_write_commits_nothing(embedded_store, monkeypa
 def test_a_failed_statement_waits_for_the_blob_write_and_commits_nothing(embedded_store):
     s = embedded_store
     s.create_table("t", COLUMNS)
-    assert ROWS * WIDTH >= writer.OVERLAP_BLOB_BYTES
+    assert ROWS * WIDTH >= StoreSettings().overlap_blob_bytes
     # Version 5 is ahead of the table's version 0: refused by the writer after it started
     # writing the put's chunks.
     with pytest.raises(StaleVersion, match="policy_version 5 is ahead"):
