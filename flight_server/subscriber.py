@@ -89,7 +89,7 @@ class RemoteSubscription:
 
     # -- receiving -------------------------------------------------------------------------
     def _receive(self) -> None:
-        error: BaseException | None = None
+        error: ExpstoreError | None = None
         try:
             while True:
                 chunk = self._reader.read_chunk()
@@ -283,7 +283,8 @@ def _stream_error(error: BaseException) -> ExpstoreError:
     """The store error of a broken subscription stream: the server's typed error where it sent
     one, else Unavailable (the connection dropped: the server stopped or died)."""
     translated = from_flight(error)
-    if type(translated) is ExpstoreError or isinstance(translated, InvalidArgument):
+    if not isinstance(translated, ExpstoreError) or type(translated) is ExpstoreError or \
+            isinstance(translated, InvalidArgument):
         return Unavailable(f"the subscription stream broke: {translated}; subscribe again once "
                            "the server is back")
     return translated
