@@ -8,7 +8,7 @@ import pyarrow as pa
 
 from .errors import InvalidArgument
 from .naming import check_identifier
-from .sqlguard import check_predicate
+from .sqlguard import predicate_query
 
 MAX_CLAIM_ROWS = 100_000
 GROUP_COLUMNS = ("input_id",)
@@ -51,7 +51,7 @@ class ClaimRequest:
                 raise InvalidArgument(f"group_size {self.group_size!r} is invalid; expected an "
                                       f"integer in [1, limit={self.limit}]")
         if self.where is not None:
-            check_predicate(self.where)
+            predicate_query(self.table, self.where)
         return self
 
     @classmethod

@@ -46,7 +46,7 @@ from .settings import StoreSettings
 from .putlog import LeaseUpdate, PutLog, log_path, replay
 from .recovery import load_state
 from .schema import TableDef
-from .sqlguard import check_select
+from .sqlguard import check_select, predicate_query
 from .types import one_array
 from .writer import BumpOp, CallOp, PutOp, ReadOp, SettleOp, SmallPutOp, Writer
 
@@ -380,30 +380,40 @@ class EmbeddedStore:
         the one it makes from the whole order when the prefix holds enough matches).
         """
         assert req.where is not None
+        sql = predicate_query(req.table, req.where)
         matched: set[int] = set()
         asked: set[int] = set()
         want = max(4 * req.limit, self.settings.where_first_rows)
-        while True:
-            with self._lock:
-                ready = live.ready_count
-                prefix = live.ready_rows(max(min(want, ready), 1))
-            fresh = [r.row_id for r in prefix if r.row_id not in asked]
-            asked.update(fresh)
-            matched |= self._matching(req.table, req.where, fresh)
-            if len(prefix) >= ready or _fills(prefix, matched, req.limit, req.group_size):
-                return matched
-            want *= 4
+        # A predicate is SQL like any query (a sub-select can take minutes): it shares the query
+        # slots and time limit of the query path, over all its rounds and the wait for a slot.
+        limit = self.query_timeout
+        deadline = self._take_query_slot(limit, f"claim predicate {req.where[:200]!r}")
+        try:
+            while True:
+                with self._lock:
+                    ready = live.ready_count
+                    prefix = live.ready_rows(max(min(want, ready), 1))
+                fresh = [r.row_id for r in prefix if r.row_id not in asked]
+                asked.update(fresh)
+                matched |= self._matching(sql, req.where, fresh, limit, deadline)
+                if len(prefix) >= ready or _fills(prefix, matched, req.limit, req.group_size):
+                    return matched
+                want *= 4
+        finally:
+            self._query_slots.release()
 
-    def _matching(self, table: str, where: str, row_ids: list[int]) -> set[int]:
-        """Which candidate rows satisfy a claim predicate (evaluated in DuckDB)."""
+    def _matching(self, sql: str, where: str, row_ids: list[int], limit: float,
+                  deadline: float) -> set[int]:
+        """Which candidate rows satisfy a claim predicate (``sql``: its checked query)."""
         if not row_ids:
             return set()
-        sql = (f"SELECT row_id FROM {quote(table)} WHERE row_id IN "
-               f"(SELECT unnest(?::BIGINT[])) AND ({where})")
         try:
-            rows = self._run_read(sql, [row_ids], self.query_timeout)
+            rows = self._run_read(sql, [row_ids], limit, deadline)
+        except QueryTimeout as e:
+            raise QueryTimeout(f"claim predicate {where[:200]!r} ran past the query time limit "
+                               f"of {limit} s and was cancelled") from e
         except QueryRefused as e:
-            raise QueryRefused(f"claim predicate {where!r} failed: {e}") from e
+            raise QueryRefused(f"claim predicate {where[:200]!r} failed: {e}") from e
         return set(rows.column(0).to_pylist())
 
     def _fetch(self, live: LiveTable, rows: list[Row]) -> pa.Table:
@@ -779,17 +789,31 @@ class EmbeddedStore:
         if params is not None and not isinstance(params, (list, tuple)):
             raise InvalidArgument(f"query parameters {params!r} are not a list")
         limit = self.query_timeout if timeout is None else timeout
-        if not self._query_slots.acquire(timeout=limit):
-            raise QueryTimeout(f"no query slot became free within {limit} s; too many "
-                               "concurrent queries")
+        deadline = self._take_query_slot(limit, "the query")
         try:
-            return self._resolve_refs(self._run_read(sql, list(params or []), limit))
+            return self._resolve_refs(self._run_read(sql, list(params or []), limit,
+                                                     deadline))
         finally:
             self._query_slots.release()
 
-    def _run_read(self, sql: str, params: list[Any], timeout: float) -> pa.Table:
+    def _take_query_slot(self, limit: float, what: str) -> float:
+        """Take one of the query slots, waiting at most ``limit`` seconds; return the deadline
+        (monotonic) by which the work must end, the wait included. The caller releases it."""
+        deadline = time.monotonic() + limit
+        if not self._query_slots.acquire(timeout=limit):
+            raise QueryTimeout(f"no query slot became free within {limit} s for {what}; too "
+                               "many concurrent queries (and claim predicates)")
+        return deadline
+
+    def _run_read(self, sql: str, params: list[Any], timeout: float,
+                  deadline: float | None = None) -> pa.Table:
+        """Run a read; cancelled after ``timeout`` seconds, or at ``deadline`` (monotonic)."""
+        left = timeout if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            raise QueryTimeout(f"query ran past its {timeout} s limit (waiting for a query slot "
+                               "included) and was cancelled")
         cursor = self._reader()
-        timer = threading.Timer(timeout, cursor.interrupt)
+        timer = threading.Timer(left, cursor.interrupt)
         timer.daemon = True
         timer.start()
         try:

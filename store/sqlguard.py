@@ -13,6 +13,7 @@ Two layers, so that one mistake is not enough:
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import threading
 from typing import Any, Iterator
@@ -20,6 +21,7 @@ from typing import Any, Iterator
 import duckdb
 
 from .errors import QueryRefused
+from .naming import quote
 
 # Table functions a read-only query may use; everything else (read_csv, glob, query_table,
 # pragma_*, …) is refused.
@@ -103,12 +105,97 @@ def check_select(sql: object) -> str:
 
 def check_predicate(where: object) -> str:
     """Validate a claim predicate (a boolean SQL expression over one table's columns)."""
+    predicate_query("t", where)
+    return where
+
+
+#: Where a claim's predicate goes in the query it runs; ``?`` is the list of candidate row ids.
+_PREDICATE_QUERY = ("SELECT row_id FROM (SELECT row_id, ({slot}) AS _expstore_ok FROM {table} "
+                    "WHERE row_id IN (SELECT unnest(?::BIGINT[]))) AS _expstore_rows "
+                    "WHERE _expstore_ok")
+_SLOT = "_expstore_predicate_slot"
+_LOCATION_KEYS = frozenset({"query_location", "query_location_length"})
+
+
+def predicate_query(table: str, where: object) -> str:
+    """The query a claim runs to learn which of its candidate rows (the one ``?``: a list of row
+    ids) satisfy ``where``, checked as it will run.
+
+    The predicate is spliced into SQL text, so the guard checks that text, not the predicate
+    alone: the query must be one read-only SELECT (:func:`check_select`), and its syntax tree
+    must be the template's with exactly one expression, the predicate parsed on its own, in the
+    predicate's place. ``reward > 0) OR (1=1`` is one expression on its own but closes the
+    parenthesis around it in the query, so it is refused; so is anything else that changes the
+    query around the predicate (a ``?``, a second column, a ``FROM``).
+
+    Raises:
+        QueryRefused: naming the predicate and what was expected.
+    """
     if not isinstance(where, str) or not where.strip():
         raise QueryRefused(f"predicate {where!r} is not a non-empty SQL expression")
-    if ";" in where:
-        raise QueryRefused(f"predicate {where[:80]!r} holds ';'; expected one boolean expression")
-    check_select(f"SELECT 1 FROM (SELECT 1) AS _t WHERE ({where})")
-    return where
+    if len(where) > MAX_SQL_CHARS:
+        raise QueryRefused(f"predicate of {len(where)} characters is longer than the "
+                           f"{MAX_SQL_CHARS}-character limit")
+    return _checked_predicate_query(table, where)
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_predicate_query(table: str, where: str) -> str:
+    # Newlines around the predicate: a trailing ``--`` comment then ends before the parenthesis.
+    sql = _PREDICATE_QUERY.format(slot=f"\n{where}\n", table=quote(table))
+    alone = _tree(f"SELECT (\n{where}\n)", where)
+    node = alone.get("statements", [{}])[0].get("node", {})
+    items = node.get("select_list") or []
+    if (len(alone.get("statements", [])) != 1 or len(items) != 1
+            or (node.get("from_table") or {}).get("type") != "EMPTY"
+            or any(node.get(k) for k in ("where_clause", "group_expressions", "having",
+                                          "modifiers", "qualify", "sample"))):
+        raise QueryRefused(f"predicate {where[:200]!r} is not one boolean SQL expression "
+                           "(e.g. \"reward > 0\")")
+    try:
+        check_select(sql)
+    except QueryRefused as e:
+        raise QueryRefused(f"predicate {where[:200]!r} is refused: {e}") from e
+    template = _tree(_PREDICATE_QUERY.format(slot=_SLOT, table=quote(table)), where)
+    if not _fits(template, _tree(sql, where), _plain(items[0])):
+        raise QueryRefused(f"predicate {where[:200]!r} is not one expression in the claim's "
+                           "query: it changes the query around it (e.g. an unbalanced "
+                           "parenthesis, or a '?' parameter); expected one boolean SQL "
+                           "expression such as \"reward > 0\"")
+    return sql
+
+
+def _tree(sql: str, where: str) -> dict[str, Any]:
+    raw = _parse_tree(sql)
+    tree = json.loads(raw[0]) if raw else {}
+    if tree.get("error"):
+        raise QueryRefused(f"predicate {where[:200]!r} does not parse: "
+                           f"{tree.get('error_message', 'unknown error')}")
+    return tree
+
+
+def _plain(node: Any) -> Any:
+    """A syntax tree without source positions (and, at its root, without an alias)."""
+    if isinstance(node, dict):
+        return {k: _plain(v) for k, v in node.items() if k not in _LOCATION_KEYS}
+    if isinstance(node, list):
+        return [_plain(v) for v in node]
+    return node
+
+
+def _fits(template: Any, tree: Any, expression: Any) -> bool:
+    """Whether ``tree`` is ``template`` with ``expression`` where the template has the slot."""
+    if isinstance(template, dict):
+        if template.get("class") == "COLUMN_REF" and template.get("column_names") == [_SLOT]:
+            return isinstance(tree, dict) and _plain({**tree, "alias": ""}) == \
+                {**expression, "alias": ""}
+        return (isinstance(tree, dict) and template.keys() == tree.keys()
+                and all(k in _LOCATION_KEYS or _fits(v, tree[k], expression)
+                        for k, v in template.items()))
+    if isinstance(template, list):
+        return (isinstance(tree, list) and len(template) == len(tree)
+                and all(_fits(a, b, expression) for a, b in zip(template, tree)))
+    return template == tree
 
 
 def _functions(sql: str) -> Iterator[tuple[str, str]]:

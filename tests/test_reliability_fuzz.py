@@ -190,7 +190,11 @@ malicious_predicates = st.sampled_from([
     "1=1; DROP TABLE fz", "reward > 0; UPDATE fz SET consumed = true",
     "sample_id IN (SELECT * FROM read_csv('/etc/passwd'))", "getenv('HOME') IS NOT NULL",
     "(SELECT count(*) FROM glob('/*')) > 0", "nosuchcolumn > 1", "reward >", "))", "'",
-    "reward > (SELECT query('DROP TABLE fz'))", "", "   ", "1 = 1 --", "read_text('/etc/hosts') = ''",
+    "reward > (SELECT query('DROP TABLE fz'))", "", "   ", "read_text('/etc/hosts') = ''",
+    # issue #29: predicates that change the claim's query around them, or read the server
+    "reward > 0) ORDER BY (1", "reward > 0) LIMIT (1", "reward > 0), (1", "reward > ?",
+    "reward > 0) FROM fz WHERE (1", "sample_id IN (SELECT path FROM duckdb_databases)",
+    "(SELECT count(*) FROM pg_settings) > 0", "current_setting('temp_directory') <> ''",
 ])
 
 

@@ -128,22 +128,24 @@ def test_not_a_string(bad):
         check_select(bad)
 
 
-@pytest.mark.parametrize("where", ["reward > 0", "input_id IN (SELECT input_id FROM t GROUP BY 1 "
-                                   "HAVING min(reward) < max(reward))", "x IS NULL OR y = 'a;b'"])
+@pytest.mark.parametrize("where", [
+    "reward > 0", "input_id IN (SELECT input_id FROM t GROUP BY 1 HAVING min(reward) < max(reward))",
+    "x IS NULL OR y = 'a;b'",        # a ';' in a string literal is part of one expression
+    "1=1 --",                        # the comment ends at the line the claim's query adds
+    "reward > 0) OR (1=1",           # bound as one expression: (reward > 0) OR (1=1)
+])
 def test_predicates_allowed(where):
-    # A ';' inside a string literal is refused too: the predicate check is deliberately blunt.
-    if ";" in where:
-        with pytest.raises(QueryRefused, match=";"):
-            check_predicate(where)
-    else:
-        assert check_predicate(where) == where
+    assert check_predicate(where) == where
 
 
 @pytest.mark.parametrize("where", ["1=1; DROP TABLE t", "1=1) UNION SELECT * FROM read_text('x'",
                                    "x IN (SELECT * FROM read_csv('/etc/passwd'))",
-                                   "getenv('HOME') IS NOT NULL", "", None, "1=1 --"])
+                                   "getenv('HOME') IS NOT NULL", "", None,
+                                   "1=1) ORDER BY (1", "1=1) LIMIT (1", "1=1), (2", "x > ?",
+                                   "1=1) FROM t WHERE (1", "1 /* unterminated",
+                                   "x IN (SELECT path FROM duckdb_databases)"])
 def test_predicates_refused(where):
-    with pytest.raises(QueryRefused):
+    with pytest.raises(QueryRefused, match="predicate"):
         check_predicate(where)
 
 
