@@ -40,7 +40,7 @@ import uuid
 import zlib
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Iterable, Iterator, NamedTuple, Sequence, Union
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
@@ -48,6 +48,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import xxhash
 
+from . import blob_rows
 from .errors import StorageError
 from .types import one_array
 
@@ -73,6 +74,8 @@ STAGING_BYTES = 16 << 20            # the page-aligned buffer O_DIRECT writes go
 # staging buffer held the GIL for ~10 ms and made the write ~60 % longer (36 vs 22 ms here).
 IN_PLACE_MIN_BYTES = 64 << 10
 _IOV_MAX = 1024                     # buffers per pwritev call (Linux's IOV_MAX)
+INDEX_CACHE = 4096                  # format-3 chunk indexes kept parsed (a few KB each)
+OPEN_SEGMENTS = 16                  # segment files kept open for reading
 
 # What BlobStore.append takes: the buffer of serialize_chunk_buffer (or its bytes).
 Chunk = Union[bytes, pa.Buffer]
@@ -88,8 +91,9 @@ class _Staged(NamedTuple):
 
 
 def serialize_chunk_buffer(values: pa.Array) -> pa.Buffer:
-    """One column's large values as a chunk (header, then an Arrow IPC stream; see the module
-    docstring), serialised on the caller's thread into one Arrow buffer written once.
+    """One column's large values as a chunk, serialised on the caller's thread into one Arrow
+    buffer written once: format 3 (header, IPC stream, row index; see :mod:`store.blob_rows`)
+    where the type allows reading rows alone, else format 2 (header, IPC stream).
 
     The buffer is the start of an allocation padded with zeros to a 4 KiB multiple, so that a
     large chunk can be written by O_DIRECT in place (see :func:`_in_place`)."""
@@ -97,16 +101,32 @@ def serialize_chunk_buffer(values: pa.Array) -> pa.Buffer:
     size = pa.MockOutputStream()                     # counts bytes, copies nothing
     with pa.ipc.new_stream(size, batch.schema) as w:
         w.write_batch(batch)
-    length = HEADER_BYTES + size.size()
+    stream = size.size()
+    indexed = blob_rows.supported(values.type) and len(values) > 0
+    if indexed:
+        schema = batch.schema.serialize().to_pybytes()
+        block_rows = blob_rows.block_rows_for(values)
+        index_len = blob_rows.index_size(len(schema), len(values.buffers()),
+                                         -(-len(values) // block_rows))
+    length = HEADER_BYTES + stream + (index_len if indexed else 0)
     padded = pa.allocate_buffer(_align_up(length))   # slices are read-only: write this one
     sink = pa.FixedSizeBufferWriter(padded)
     sink.write(bytes(HEADER_BYTES))
     with pa.ipc.new_stream(sink, batch.schema) as w:
         w.write_batch(batch)
+    if indexed:
+        chunk = padded.slice(0, length)
+        column = pa.ipc.open_stream(chunk.slice(HEADER_BYTES, stream)).read_next_batch()[0]
+        index = blob_rows.build_index(column, chunk, schema, block_rows)
+        assert len(index) == index_len
+        sink.write(index)
+        head = blob_rows.INDEX_MAGIC + len(index).to_bytes(4, "little") + \
+            xxhash.xxh3_64_intdigest(index).to_bytes(8, "little")
+    else:
+        digest = xxhash.xxh3_64_intdigest(memoryview(padded)[HEADER_BYTES:length])
+        head = CHUNK_MAGIC + bytes(4) + digest.to_bytes(8, "little")
     sink.write(bytes(len(padded) - length))
-    digest = xxhash.xxh3_64_intdigest(memoryview(padded)[HEADER_BYTES:length])
-    pa.FixedSizeBufferWriter(padded).write(
-        CHUNK_MAGIC + bytes(4) + digest.to_bytes(8, "little"))
+    pa.FixedSizeBufferWriter(padded).write(head)
     return padded.slice(0, length)
 
 
@@ -180,6 +200,9 @@ class BlobStore:
         self._staging: mmap.mmap | None = None
         self._cache: OrderedDict[tuple[int, int, int], pa.Array] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._indexes: OrderedDict[tuple[int, int, int], blob_rows.ChunkIndex | None] = \
+            OrderedDict()
+        self._fds: OrderedDict[int, _OpenSegment] = OrderedDict()
         try:
             if self._local:
                 os.makedirs(self.root, exist_ok=True)
@@ -379,7 +402,10 @@ class BlobStore:
         return values
 
     def resolve(self, keys: Sequence[str | None], value_type: pa.DataType) -> pa.Array:
-        """The values for ``keys`` (None stays null), in order."""
+        """The values for ``keys`` (None stays null), in order.
+
+        Rows of format-3 chunks are read alone (their blocks, see :mod:`store.blob_rows`);
+        chunks of older formats are read whole."""
         by_chunk: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
         for pos, key in enumerate(keys):
             if key is None:
@@ -394,18 +420,146 @@ class BlobStore:
         positions: list[int] = []
         pieces: list[pa.Array] = []
         for ck, items in by_chunk.items():
-            chunk = self._chunk(*ck)
-            rows = pa.array([r for _, r in items], pa.int64())
-            if len(items) and max(r for _, r in items) >= len(chunk):
+            rows = [r for _, r in items]
+            index = self._index(*ck)
+            whole = self._chunk(*ck) if index is None else None
+            size = index.rows if index is not None else len(whole)  # type: ignore[arg-type]
+            if min(rows) < 0 or max(rows) >= size:
                 raise StorageError(f"blob key row out of range in chunk {ck}")
-            pieces.append(chunk.take(rows).cast(value_type))
+            piece = self._read_rows(ck, index, rows) if whole is None else \
+                whole.take(pa.array(rows, pa.int64()))
+            pieces.append(piece if piece.type == value_type else piece.cast(value_type))
             positions.extend(p for p, _ in items)
-        values = pa.concat_arrays(pieces)
+        values = pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
+        if len(positions) == len(keys) and positions == list(range(len(keys))):
+            return values                    # every key, in key order: nothing to scatter
         # Scatter back into key order: nulls where the key was None.
         order = [-1] * len(keys)
         for i, p in enumerate(positions):
             order[p] = i
         return values.take(pa.array([o if o >= 0 else None for o in order], pa.int64()))
+
+    def _read_rows(self, ck: tuple[int, int, int], index: blob_rows.ChunkIndex | None,
+                   rows: list[int]) -> pa.Array:
+        """Rows of a format-3 chunk, in the order given: each run of rows whose blocks touch
+        is read in one pass (a zero-copy slice when the rows are consecutive, else a take)."""
+        assert index is not None
+        segment, offset, _ = ck
+        pread = self._preader(segment)
+
+        def fetch(i: int, lo: int, hi: int) -> pa.Buffer:
+            return pread(offset + index.buffers[i][0] + lo, hi - lo)
+
+        ordered = sorted(set(rows))
+        block = index.block_rows
+        runs: list[list[int]] = [[ordered[0]]]
+        for r in ordered[1:]:
+            if r // block > runs[-1][-1] // block + 1:
+                runs.append([r])
+            else:
+                runs[-1].append(r)
+        parts: list[pa.Array] = []
+        try:
+            for run in runs:
+                first, end = run[0], run[-1] + 1
+                values = blob_rows.read_rows(index, first, end, fetch)
+                if len(run) != end - first:
+                    values = values.take(pa.array([r - first for r in run], pa.int64()))
+                values.validate()
+                parts.append(values)
+        except (ValueError, pa.ArrowException) as e:
+            raise StorageError(f"blob chunk {segment}:{offset}:{ck[2]} in "
+                               f"{self._path(segment)!r} is corrupt: {e}") from e
+        got = parts[0] if len(parts) == 1 else pa.concat_arrays(parts)
+        if rows == ordered:
+            return got
+        where = {r: i for i, r in enumerate(ordered)}
+        return got.take(pa.array([where[r] for r in rows], pa.int64()))
+
+    def _index(self, segment: int, offset: int, length: int) -> blob_rows.ChunkIndex | None:
+        """A format-3 chunk's index (cached), or None for a chunk of an older format."""
+        ck = (segment, offset, length)
+        with self._cache_lock:
+            if ck in self._indexes:
+                self._indexes.move_to_end(ck)
+                return self._indexes[ck]
+        pread = self._preader(segment)
+        where = f"blob chunk {segment}:{offset}:{length} in {self._path(segment)!r}"
+        head = pread(offset, min(HEADER_BYTES, length)).to_pybytes()
+        index: blob_rows.ChunkIndex | None = None
+        if head[:4] == blob_rows.INDEX_MAGIC and len(head) == HEADER_BYTES:
+            size = int.from_bytes(head[4:8], "little")
+            if not 0 < size <= length - HEADER_BYTES:
+                raise StorageError(f"{where} is corrupt: its index length {size} does not "
+                                   "fit the chunk")
+            data = pread(offset + length - size, size).to_pybytes()
+            if xxhash.xxh3_64_intdigest(data).to_bytes(8, "little") != head[8:]:
+                raise StorageError(f"{where} is corrupt: its index does not match its "
+                                   "checksum")
+            try:
+                index = blob_rows.parse_index(data)
+            except (ValueError, pa.ArrowException) as e:
+                raise StorageError(f"{where} is corrupt: {e}") from e
+        with self._cache_lock:
+            self._indexes[ck] = index
+            while len(self._indexes) > INDEX_CACHE:
+                self._indexes.popitem(last=False)
+        return index
+
+    def _preader(self, segment: int) -> Callable[[int, int], pa.Buffer]:
+        """``pread(offset, length)`` of a segment: on a descriptor kept open (a few are), or
+        a file of the store's filesystem."""
+        path = self._path(segment)
+        if not self._local:
+            fs = self._fs
+            assert fs is not None
+
+            def read_remote(offset: int, length: int) -> pa.Buffer:
+                try:
+                    with fs.open_input_file(path) as f:
+                        data = f.read_at(length, offset)
+                except (OSError, pa.ArrowException) as e:
+                    raise StorageError(f"blob segment {path!r} cannot be read: {e}") from e
+                if len(data) != length:
+                    raise StorageError(f"blob bytes {offset}+{length} are truncated in "
+                                       f"{path!r} ({len(data)} of {length} bytes)")
+                return pa.py_buffer(data)
+            return read_remote
+        handle = self._fd(segment)
+
+        def read_local(offset: int, length: int) -> pa.Buffer:
+            buf = pa.allocate_buffer(length)
+            try:
+                got = os.preadv(handle.fd, [memoryview(buf)], offset) if length else 0
+            except OSError as e:
+                raise StorageError(f"blob segment {path!r} cannot be read: {e}") from e
+            if got != length:
+                raise StorageError(f"blob bytes {offset}+{length} are truncated in {path!r} "
+                                   f"({got} of {length} bytes)")
+            return buf
+        return read_local
+
+    def _fd(self, segment: int) -> "_OpenSegment":
+        with self._cache_lock:
+            handle = self._fds.get(segment)
+            if handle is not None:
+                self._fds.move_to_end(segment)
+                return handle
+            try:
+                handle = _OpenSegment(os.open(self._path(segment), os.O_RDONLY))
+            except OSError as e:
+                raise StorageError(f"blob segment {self._path(segment)!r} cannot be read: "
+                                   f"{e}") from e
+            self._fds[segment] = handle
+            while len(self._fds) > OPEN_SEGMENTS:
+                self._fds.popitem(last=False)   # closed once no read holds it
+            return handle
+
+    def close(self) -> None:
+        """Let go of the segment files kept open for reading (each closes once no read under
+        way holds it)."""
+        with self._cache_lock:
+            self._fds.clear()
 
     # -- garbage collection ----------------------------------------------------------------------
     def collect(self, live_segments: Iterable[int]) -> dict[str, int]:
@@ -428,7 +582,21 @@ class BlobStore:
             freed += size
         with self._cache_lock:
             self._cache.clear()
+            self._indexes.clear()
+        self.close()                     # descriptors of deleted segments go too
         return {"segments_removed": removed, "bytes_freed": freed}
+
+
+class _OpenSegment:
+    """A segment's read descriptor, closed when the last reference to it goes: a read under
+    way keeps it open while the cache lets go of it (a closed number could be reused by
+    another file meanwhile)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __del__(self) -> None:
+        os.close(self.fd)
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> int:

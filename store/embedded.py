@@ -992,6 +992,7 @@ class EmbeddedStore:
                     pass
             self._readers.clear()
         self._con.close()
+        self.blobs.close()
 
     def __enter__(self) -> "EmbeddedStore":
         return self

@@ -23,6 +23,7 @@ import xxhash
 
 import store
 import store.blobs as blobs
+from store import blob_rows
 from store.blobs import ALIGN, BlobStore, serialize_chunk_buffer
 from store.errors import StorageError
 
@@ -60,18 +61,31 @@ SMALL = 3000                         # below it: buffered, at an aligned start a
 
 
 def test_serialize_chunk_layout():
-    """Magic, four zero bytes, the XXH3-64 of the IPC stream, then the stream (the same stream
-    bytes as format 1, which put a CRC-32 in front of them)."""
+    """Format 3: magic, the index's length and XXH3-64, the IPC stream (the same stream bytes as
+    formats 1 and 2), then the row index (see store.blob_rows)."""
     arr = _values(50, 700, "s")
     body = _ipc_stream(arr)
-    digest = xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
-    assert serialize_chunk_buffer(arr).to_pybytes() == b"EXB2" + bytes(4) + digest + body
+    chunk = serialize_chunk_buffer(arr).to_pybytes()
+    size = int.from_bytes(chunk[4:8], "little")
+    assert chunk[:4] == b"EXB3" and len(chunk) == 16 + len(body) + size
+    assert chunk[16:16 + len(body)] == body
+    index = chunk[-size:]
+    assert xxhash.xxh3_64_intdigest(index).to_bytes(8, "little") == chunk[8:16]
+    parsed = blob_rows.parse_index(index)
+    assert parsed.rows == 50 and parsed.block_rows % 8 == 0 and parsed.type == arr.type
+    assert len(parsed.hashes) == -(-50 // parsed.block_rows)
+
+
+def _format2_chunk(values: pa.Array) -> bytes:
+    """A chunk as the code before row indexes wrote it: magic, four zero bytes, XXH3-64."""
+    body = _ipc_stream(values)
+    return b"EXB2" + bytes(4) + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little") + body
 
 
 def test_chunk_body_checks_either_format_and_refuses_damage():
     arr = _values(20, 300, "f")
     body = _ipc_stream(arr)
-    new = serialize_chunk_buffer(arr).to_pybytes()
+    new = _format2_chunk(arr)
     old = _old_serialize_chunk(arr)
     assert bytes(blobs.chunk_body(new)) == body
     assert bytes(blobs.chunk_body(old)) == body
@@ -85,20 +99,23 @@ def test_chunk_body_checks_either_format_and_refuses_damage():
     assert blobs.chunk_body(b"") is None and blobs.chunk_body(b"EXB2") is None
 
 
-def test_damaged_chunk_is_reported_corrupt_on_read(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["value", "index"])
+def test_damaged_chunk_is_reported_corrupt_on_read(tmp_path, monkeypatch, where):
     b = _open(str(tmp_path / "blobs"), False, monkeypatch)
     arrays = [_values(30, 500, "a"), _values(30, 500, "b")]
     keys = _put(b, arrays)
-    segment, offset, _ = keys[1].split(":")
-    with open(b._path(int(segment)), "r+b") as f:
-        f.seek(int(offset) + 100)
+    segment, offset, length = map(int, keys[1].split(":"))
+    # a byte of row 20's value, or the last byte of the index
+    at = offset + length // 2 if where == "value" else offset + length - 1
+    with open(b._path(segment), "r+b") as f:
+        f.seek(at)
         byte = f.read(1)
-        f.seek(int(offset) + 100)
+        f.seek(at)
         f.write(bytes([byte[0] ^ 1]))
     fresh = BlobStore(str(tmp_path / "blobs"))
     _check(fresh, keys[:1], arrays[:1])
-    with pytest.raises(StorageError, match="is corrupt: its header or checksum"):
-        fresh.resolve([f"{keys[1]}:0"], arrays[1].type)
+    with pytest.raises(StorageError, match="is corrupt: .*(checksum)"):
+        fresh.resolve([f"{keys[1]}:{r}" for r in range(30)], arrays[1].type)
 
 
 def _ipc_stream(values: pa.Array) -> bytes:
