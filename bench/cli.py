@@ -32,8 +32,9 @@ from bench.util import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 # run order: baselines first, so a partial run still has something to compare against
-BENCHMARKS = ["flight_raw", "duckdb_bulk", "redis_streams", "ray_queue", "pipeline_sim",
-              "expstore_ingest", "expstore_claims", "expstore_scaling", "gpu_train"]
+BENCHMARKS = ["flight_raw", "duckdb_bulk", "redis_streams", "ray_queue", "transferqueue",
+              "pipeline_sim", "expstore_ingest", "expstore_claims", "expstore_reads",
+              "expstore_scaling", "gpu_train"]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

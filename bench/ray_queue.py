@@ -25,22 +25,29 @@ TITLE = "Ray queue (ray.util.queue.Queue, local cluster)"
 
 
 @contextlib.contextmanager
-def local_ray() -> Iterator[Any]:
+def local_ray(num_cpus: int = 2) -> Iterator[Any]:
+    """A local Ray bound to 127.0.0.1 (asserted), shut down afterwards; Skip where it cannot
+    start. ``num_cpus``: what Ray may hand out (TransferQueue's actors each reserve one)."""
+    # Ray 2.60 silently replaces _node_ip_address="127.0.0.1" with the machine's external
+    # address unless this is set before it starts
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
         import ray
     except ImportError as e:
         raise Skip("ray not installed (pip install 'ray[default]')") from e
     # a short temp dir: Ray puts unix sockets under it, and their paths have a length limit
     tmp = tempfile.mkdtemp(prefix="br-", dir="/tmp")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
-        # Ray 2.60 binds a non-loopback address unless told otherwise
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus,
                  log_to_driver=False, _temp_dir=tmp, configure_logging=False)
     except Exception as e:  # noqa: BLE001 - any start-up failure means: no Ray baseline here
         shutil.rmtree(tmp, ignore_errors=True)
         raise Skip(f"ray.init failed: {type(e).__name__}: {e}") from e
     try:
+        addresses = {n["NodeManagerAddress"] for n in ray.nodes()}
+        if addresses != {"127.0.0.1"}:
+            raise RuntimeError(f"Ray bound {sorted(addresses)}, not only 127.0.0.1")
         yield ray
     finally:
         ray.shutdown()

@@ -80,6 +80,26 @@ TARGETS = [
       "expstore_claims.claim16_ack_p50_ms", "redis_streams.claim16_ack_p50_ms", 1.0, False),
     T("micro-batch pipeline vs sync (expstore transport)", "pipeline_sim.expstore_speedup",
       None, 1.8, True),
+    # Reading by-reference values back: each figure against raw Flight do_get serving the very
+    # tables the claims (or the query) returned, in as many calls (bench/expstore_reads.py).
+    *[T(f"{what} vs raw Flight do_get of the same bytes", f"expstore_reads.{key}_mb_per_s",
+        f"expstore_reads.raw_{key}_mb_per_s", 0.50, True)
+      for key, what in (("tq_claim16", "TransferQueue rows read by claims of 16"),
+                        ("tq_claim64", "TransferQueue rows read by claims of 64"),
+                        ("tq_sql", "TransferQueue rows read by SELECT *"),
+                        ("wide_claim16", "wide rows read by claims of 16"),
+                        ("wide_claim64", "wide rows read by claims of 64"),
+                        ("wide_sql", "wide rows read by SELECT *"))],
+    T("TransferQueue's workload put vs TransferQueue's", "expstore_reads.tq_put_mb_per_s",
+      "transferqueue.put_mb_per_s", 5.0, True),
+    T("TransferQueue's workload read back (claims of 64) vs its get_meta + get_data",
+      "expstore_reads.tq_claim64_mb_per_s", "transferqueue.get_mb_per_s", 5.0, True),
+    # a micro-batch's fetch + settle: TransferQueue's p50 over expstore's (claim + waited ack)
+    *[T(f"micro-batch of 16 {what}: TransferQueue p50 / expstore p50",
+        f"transferqueue.{key}_p50_ms", f"expstore_reads.{key}_p50_ms", 4.0, True)
+      for key, what in (("mb16_narrow", "narrow"), ("mb16_wide", "wide"),
+                        ("mb16_narrow_group", "narrow, groups of 8"),
+                        ("mb16_wide_group", "wide, groups of 8"))],
     T("micro-batch pipeline overhead vs ideal queue", "pipeline_sim.expstore_overhead_pct",
       None, 5.0, False),
 ]
