@@ -109,12 +109,12 @@ class EmbeddedStore:
         self._versions: dict[str, int] = state.versions
         self._weights: dict[str, str | None] = state.weights
         self._terminal_possible: set[str] = state.terminal_possible
-        for lease in state.leases:
-            self._claims[lease.claim_id] = lease
-            heapq.heappush(self._expiry, (lease.expires_at, lease.claim_id))
+        for tname, voided in state.voided.items():  # written by the writer's first group
+            self._row_updates[tname] = {u.row_id: u for u in voided}
         for claim_id in state.ended:
-            _remember(self._recent_expired, claim_id, "its lease ended before the store "
-                      "restarted", settings.recent_claims)
+            _remember(self._recent_expired, claim_id, "the store restarted since it was "
+                      "claimed, and a restart voids every lease (leases are soft state); its "
+                      "rows are ready to be delivered again", settings.recent_claims)
         self._closed = False
         #: Monotonic counters for monitoring (flight_server.metrics exports them).
         self.counters: dict[str, int] = {
@@ -571,8 +571,7 @@ class EmbeddedStore:
                 if claim_id in self._recent_expired:
                     raise LeaseExpired(f"claim {claim_id!r} ended before this "
                                        f"{'ack' if ack else 'nack'}: "
-                                       f"{self._recent_expired[claim_id]}; its rows were or "
-                                       "will be delivered again")
+                                       f"{self._recent_expired[claim_id]}")
             elif lease.state == Lease.SETTLING:
                 return self._settling[claim_id]
             else:
@@ -584,11 +583,12 @@ class EmbeddedStore:
                 self._writer.submit(SettleOp(lease, ack)).add_done_callback(
                     lambda done: self._settle_done(lease, done, answer))
                 return answer
-        if ack and self._acked_before(claim_id):
-            return _done({"claim_id": claim_id, "acked": self._acked_before(claim_id),
-                          "duplicate": True})
-        raise NotFound(f"claim {claim_id!r} is unknown: it was never issued, or its lease "
-                       "ended before a restart")
+        acked = self._acked_before(claim_id) if ack else 0
+        if acked:
+            return _done({"claim_id": claim_id, "acked": acked, "duplicate": True})
+        raise NotFound(f"claim {claim_id!r} is unknown: it was never issued, or it was taken "
+                       "before a restart, which voids every lease (its rows are ready to be "
+                       "delivered again)")
 
     def _settle_done(self, lease: Lease, done: Future, answer: Future) -> None:
         """Hand the writer's outcome on; a failed commit leaves the claim leased as before."""
@@ -606,10 +606,11 @@ class EmbeddedStore:
         """Rows a claim consumed before a restart (acks record the claim id on the rows)."""
         total = 0
         for name in self.list_tables():
-            row = self._reader().execute(
+            # fetchall: a result left unfinished would refuse the cursor's next statement
+            rows = self._reader().execute(
                 f"SELECT count(*) FROM {quote(name)} WHERE lease_id = ? AND consumed",
-                [claim_id]).fetchone()
-            total += int(row[0]) if row else 0
+                [claim_id]).fetchall()
+            total += int(rows[0][0]) if rows else 0
         return total
 
     # -- called by the writer (lock held unless said) ----------------------------------------------
@@ -651,11 +652,11 @@ class EmbeddedStore:
                       self.settings.recent_claims)
         elif how == "nack":
             self.counters["nacks"] += 1
-            _remember(self._recent_expired, lease.claim_id, "it was nacked",
+            _remember(self._recent_expired, lease.claim_id, _ended("it was nacked", plan),
                       self.settings.recent_claims)
         else:
             self.counters["leases_expired"] += 1
-            _remember(self._recent_expired, lease.claim_id, "its lease expired",
+            _remember(self._recent_expired, lease.claim_id, _ended("its lease expired", plan),
                       self.settings.recent_claims)
 
     def _expire(self, lease: Lease) -> None:
@@ -1077,6 +1078,25 @@ def _fills(prefix: list[Row], matched: set[int], limit: int, group_size: int | N
 
 def _member_of(row_ids: set[int]) -> Callable[[Row], bool]:
     return lambda row: row.row_id in row_ids
+
+
+def _ended(how: str, plan: dict[str, list[tuple[Row, str]]]) -> str:
+    """Why a claim ended and what became of its rows, for a late ack or nack of it: a row
+    dead-lettered or made stale is never delivered again, and the answer says so."""
+    outcomes: dict[str, int] = {}
+    for rows in plan.values():
+        for _, outcome in rows:
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    fates = []
+    if outcomes.get("ready"):
+        fates.append(f"{outcomes['ready']} ready to be delivered again")
+    if outcomes.get("dead"):
+        fates.append(f"{outcomes['dead']} dead: dead-lettered after reaching the table's "
+                     "max_deliveries, never delivered again")
+    if outcomes.get("stale"):
+        fates.append(f"{outcomes['stale']} stale: older than the staleness bound, never "
+                     "delivered again")
+    return f"{how}; of its rows, {', '.join(fates)}" if fates else how
 
 
 def _remember(d: OrderedDict, key: str, value: Any, limit: int) -> None:

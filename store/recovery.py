@@ -1,19 +1,25 @@
 """Rebuilding the in-memory index from DuckDB when a store opens.
 
 DuckDB is the durable record: the catalog gives tables and versions, and every live row (not
-consumed, stale or dead) is loaded with its status bits. Leases whose expiry was written before a
-crash and has not passed yet are restored, so a trainer that claimed before the restart can still
-ack; all other rows are ready (or pending) again.
+consumed, stale or dead) is loaded with its status bits, ready (or pending) again.
+
+Leases are soft state (docs/architecture.md): opening the store voids every lease, whether its
+bookkeeping reached DuckDB before the restart or not. Why not restore the ones written: their
+bookkeeping is written lazily (within LEASE_FLUSH_DELAY), so a restore could only ever be partial
+— a claim taken just before a kill came back, one taken a moment later did not. Void for all is
+one rule a trainer can rely on: after a restart, every claim it holds is over, its rows are
+delivered again (the delivery count keeps the one cut short), and a late ack or nack of it is
+refused with LeaseExpired naming the restart.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import duckdb
 
-from .live import TERMINAL_INDEX_MAX, Lease, LiveTable, Row
+from .live import TERMINAL_INDEX_MAX, LiveTable, Row
 from .naming import quote
+from .putlog import LeaseUpdate
 from .schema import TableDef
 
 
@@ -23,10 +29,12 @@ class State:
     versions: dict[str, int] = field(default_factory=dict)
     weights: dict[str, str | None] = field(default_factory=dict)
     terminal_possible: set[str] = field(default_factory=set)
-    leases: list[Lease] = field(default_factory=list)
-    #: Claim ids whose lease ended before the restart (expired, nacked, or voided by the crash):
-    #: a late ack or nack of one is refused with LeaseExpired, not reported as unknown.
+    #: Claim ids found on live rows: leases that ended before the restart or that it voided. A
+    #: late ack or nack of one is refused with LeaseExpired, not reported as unknown.
     ended: list[str] = field(default_factory=list)
+    #: Per table, the bookkeeping that clears the lease columns of rows whose lease the restart
+    #: voided (DuckDB still says processing until the writer writes it).
+    voided: dict[str, list[LeaseUpdate]] = field(default_factory=dict)
 
 
 def load_state(con: duckdb.DuckDBPyConnection) -> State:
@@ -37,8 +45,6 @@ def load_state(con: duckdb.DuckDBPyConnection) -> State:
             "SELECT version_group, arg_max(weights_uri, version) FROM _expstore_versions "
             "GROUP BY 1").fetchall():
         state.weights[group] = uri
-    now = time.time()
-    leases: dict[str, Lease] = {}
     ended: set[str] = set()
     for name, definition in con.execute(
             "SELECT name, definition FROM _expstore_tables ORDER BY name").fetchall():
@@ -52,7 +58,7 @@ def load_state(con: duckdb.DuckDBPyConnection) -> State:
         status = ", ".join(quote(s) for s in tdef.status_columns)
         cursor = con.execute(
             f"SELECT row_id, sample_id, policy_version, input_id, turn, trajectory_id, "
-            f"is_processing, lease_id, lease_owner, epoch(lease_expires_at), delivery_count, "
+            f"is_processing, lease_id, delivery_count, "
             f"{status} FROM {quote(name)} WHERE NOT consumed AND NOT stale AND NOT dead")
         ncols = len(tdef.columns)
         bound = state.versions.get(tdef.version_group, 0) - tdef.max_staleness
@@ -61,31 +67,24 @@ def load_state(con: duckdb.DuckDBPyConnection) -> State:
             if not chunk:
                 break
             for rec in chunk:
-                (row_id, sid, version, input_id, turn, traj, processing, lease_id, owner,
-                 expires, deliveries) = rec[:11]
-                mask = sum(1 << i for i in range(ncols) if rec[11 + i])
+                (row_id, sid, version, input_id, turn, traj, processing, lease_id,
+                 deliveries) = rec[:9]
+                mask = sum(1 << i for i in range(ncols) if rec[9 + i])
                 row = Row(int(row_id), sid, int(version), input_id, int(turn), int(traj),
                           mask, int(deliveries))
                 live.rows[row.key] = row
-                if row.version < bound:
-                    continue  # marked stale at the next bump; never delivered meanwhile
-                if processing and lease_id and expires is not None and expires > now:
-                    lease = leases.get(lease_id)
-                    if lease is None:
-                        lease = leases[lease_id] = Lease(lease_id, owner or "anonymous",
-                                                         float(expires), [])
-                    live.lease_row(row, lease)
-                    row.deliveries -= 1  # lease_row counts a delivery; this one was counted
-                    lease.rows.append((live, row))
-                    continue
                 if lease_id:
                     ended.add(lease_id)
+                if processing:  # its lease is void: see the module docstring
+                    state.voided.setdefault(name, []).append(
+                        LeaseUpdate.released(row.row_id, row.deliveries))
+                if row.version < bound:
+                    continue  # marked stale at the next bump; never delivered meanwhile
                 if live.is_complete(row):
                     live.make_ready(row)
         _load_terminal(con, live, bound)
         state.live[name] = live
-    state.leases = list(leases.values())
-    state.ended = sorted(ended - leases.keys())
+    state.ended = sorted(ended)
     return state
 
 

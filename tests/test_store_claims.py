@@ -366,6 +366,32 @@ def test_dead_letter_after_max_deliveries(any_store, wait_until):
     assert _stats(s)["dead"] == 1
 
 
+def test_a_late_ack_of_a_dead_lettered_row_says_dead(any_store, wait_until):
+    """Issue 29: the answer said "its rows were or will be delivered again" for a row that was
+    dead-lettered and never will be."""
+    s = any_store
+    s.create_table("t", {"reward": "float64"}, max_deliveries=1)
+    _fill(s, "t", ["a_0_0"])
+    claim = s.claim("t", 1, lease_seconds=0.2)        # the last delivery, left to expire
+    wait_until(lambda: _stats(s)["dead"] == 1, message="the row dead-lettered")
+    with pytest.raises(LeaseExpired) as late:
+        s.ack(claim.claim_id)
+    message = str(late.value)
+    assert "its lease expired" in message and "1 dead" in message, message
+    assert "never delivered again" in message and "ready to be delivered" not in message
+
+
+def test_a_late_ack_of_an_expired_lease_says_which_rows_come_again(any_store, wait_until):
+    s = any_store
+    s.create_table("t", {"reward": "float64"}, max_deliveries=2)
+    _fill(s, "t", ["a_0_0", "b_0_0"])
+    s.nack(s.claim("t", 1).claim_id)                   # a_0_0 delivered once
+    claim = s.claim("t", 2, lease_seconds=0.2)        # a_0_0: its last delivery; b_0_0: 1st
+    wait_until(lambda: _stats(s)["ready"] == 1, message="the lease expired")
+    with pytest.raises(LeaseExpired, match="1 ready to be delivered again, 1 dead"):
+        s.ack(claim.claim_id)
+
+
 def test_dead_letter_by_nack(any_store):
     s = any_store
     s.create_table("t", {"reward": "float64"}, max_deliveries=1)
