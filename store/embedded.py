@@ -132,7 +132,8 @@ class EmbeddedStore:
         """Create an experience table; returns its description.
 
         Raises:
-            AlreadyExists: the table exists and ``if_not_exists`` is false.
+            AlreadyExists: the table exists and ``if_not_exists`` is false, or one whose name
+                differs only in case exists.
             InvalidArgument: a bad name, type, storage mode or setting.
         """
         tdef = TableDef.build(name, columns, version_group=version_group,
@@ -140,6 +141,12 @@ class EmbeddedStore:
                               lease_seconds=lease_seconds, storage=storage, required=required)
 
         def run(con: duckdb.DuckDBPyConnection) -> bool:
+            # SQL folds identifiers' case, quoted or not: "EXP" beside "exp" is one table to it.
+            clash = next((t for t in self._live if t.lower() == name.lower() and t != name), None)
+            if clash is not None:
+                raise AlreadyExists(f"table {name!r} clashes with the existing table {clash!r}: "
+                                    "table names that differ only in case are one name in SQL; "
+                                    "choose another name")
             if name in self._live:
                 if if_not_exists:
                     return False

@@ -133,14 +133,25 @@ class TableDef:
                 raise InvalidArgument(f"column {col!r} named in storage/required is not a data "
                                       f"column of {name!r}; data columns: {sorted(columns)}")
         defs = []
+        # SQL folds identifiers' case (quoted ones too): "A" beside "a", "Sample_ID" beside the
+        # meta column sample_id or "X_STATUS" beside x's status column are one name to DuckDB.
+        seen: dict[str, str] = {}
         for col, spec in columns.items():
             check_identifier(col, "column")
-            if col in META_NAMES:
-                raise InvalidArgument(f"column name {col!r} is a meta column; meta columns are "
+            folded = col.lower()
+            if folded in META_NAMES:
+                raise InvalidArgument(f"column name {col!r} is the meta column {folded!r} (names "
+                                      "are case-insensitive in SQL); meta columns are "
                                       f"{sorted(META_NAMES)}")
-            if col.endswith("_status") or "__" in col:
+            if folded.endswith("_status") or "__" in col:
                 raise InvalidArgument(f"column name {col!r} is not allowed: names ending in "
-                                      "'_status' or containing '__' are reserved")
+                                      "'_status' (in any case) or containing '__' are reserved "
+                                      "for the store's status and reference columns")
+            if folded in seen:
+                raise InvalidArgument(f"column names {seen[folded]!r} and {col!r} differ only in "
+                                      "case, which makes them one name in SQL; choose another "
+                                      "name for one of them")
+            seen[folded] = col
             mode = storage.get(col, "auto")
             if mode not in STORAGE_MODES:
                 raise InvalidArgument(f"storage {mode!r} of column {col!r} is unknown; expected "
