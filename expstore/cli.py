@@ -30,10 +30,10 @@ import click
 import pyarrow as pa
 
 from store.cache import DEFAULT_CACHE_LIMIT, parse_size
-from store.errors import ExpstoreError, InvalidArgument
+from store.errors import AlreadyExists, ExpstoreError, InvalidArgument
 
 from . import __version__
-from .output import MAX_CELL, echo_json, format_pairs, format_table, raw_cell
+from .output import MAX_CELL, echo_json, format_pairs, format_result, format_table, raw_cell
 from .serve import SHUTDOWN_GRACE_SECONDS
 
 DEFAULT_DB = "./expstore.duckdb"
@@ -89,6 +89,7 @@ class Target:
         import store
 
         if self.uri:
+            _check_listening(self.uri)
             options: dict[str, Any] = {}
             if self.token:
                 options["token"] = self.token
@@ -106,6 +107,37 @@ class Target:
             yield s
         finally:
             s.close()
+
+
+def _check_listening(uri: str) -> None:
+    """Fail at once, naming the address, where nothing listens: the client would otherwise keep
+    retrying the refused connection for its whole connect timeout (~10 s)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from store import REMOTE_SCHEMES
+
+    if not uri.startswith(REMOTE_SCHEMES):
+        return  # store.connect names the scheme it does not know
+    try:
+        parts = urlsplit(uri)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return  # the client names what is wrong with the address
+    if not host or port is None:
+        return
+    try:
+        with socket.create_connection((host, port), timeout=5):
+            pass
+    except ConnectionRefusedError:
+        raise click.ClickException(
+            f"no expstore server listens at {host}:{port} (connection refused); start one with "
+            f"`expstore serve --port {port}`, or check --uri / EXPSTORE_URI") from None
+    except socket.gaierror as e:
+        raise click.ClickException(f"the host {host!r} of {uri} is unknown ({e.strerror}); "
+                                   "check --uri / EXPSTORE_URI") from None
+    except OSError:
+        return  # unreachable or slow: the client waits for it and says so
 
 
 def db_option(f: Callable) -> Callable:
@@ -359,11 +391,16 @@ def create_table(name: str, columns: tuple[str, ...], if_not_exists: bool, max_s
     """
     cols = _parse_columns(columns)
     with target.open() as s:
-        description = s.create_table(
-            name, cols, if_not_exists=if_not_exists, max_staleness=max_staleness,
-            version_group=version_group, max_deliveries=max_deliveries,
-            lease_seconds=lease_seconds, storage=_parse_storage(storage),
-            required=list(required) or None)
+        try:
+            description = s.create_table(
+                name, cols, if_not_exists=if_not_exists, max_staleness=max_staleness,
+                version_group=version_group, max_deliveries=max_deliveries,
+                lease_seconds=lease_seconds, storage=_parse_storage(storage),
+                required=list(required) or None)
+        except AlreadyExists:
+            raise click.ClickException(
+                f"table {name!r} already exists in {target.address}; add --if-not-exists to "
+                "accept it as it is, or pick another name") from None
     _print_description(description, as_json)
 
 
@@ -409,30 +446,39 @@ def _param(text: str) -> Any:
 @click.option("--param", "-p", "params", multiple=True, metavar="VALUE",
               help="Value bound to the next ? (JSON if it parses, else a string; repeatable).")
 @click.option("--format", "fmt", type=click.Choice(QUERY_FORMATS), default=None,
-              help="Output format [default: table; parquet needs --output].")
+              help="Output format [default: from --output's name (.csv, .json, .parquet), else "
+                   "table; parquet needs --output].")
 @click.option("--output", "-o", type=click.Path(dir_okay=False),
               help="Write to this file instead of stdout.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="Cancel the query after this long (default: the store's limit).")
 @click.option("--max-width", type=click.IntRange(min=4), default=MAX_CELL, show_default=True,
               help="With --format table: cut cells longer than this.")
+@click.option("--vertical", "-x", is_flag=True,
+              help="With --format table: one block of 'column value' lines per row (chosen by "
+                   "itself when the columns do not fit the terminal side by side).")
 @store_options()
 @json_option
 def query(sql: str, params: tuple[str, ...], fmt: str | None, output: str | None,
-          timeout: float | None, max_width: int, target: Target, as_json: bool) -> None:
+          timeout: float | None, max_width: int, vertical: bool, target: Target,
+          as_json: bool) -> None:
     """Run one read-only SELECT and print the result.
+
+    A result with more columns than fit the terminal side by side is shown one row per block
+    (--vertical) instead of cutting every cell to a few characters.
 
     \b
     Example:
         expstore query "SELECT sample_id, reward FROM solver WHERE reward > ?" -p 0.5
-        expstore query "SELECT * FROM solver" --format csv -o solver.csv
+        expstore query "SELECT * FROM solver LIMIT 3" --vertical
+        expstore query "SELECT * FROM solver" -o solver.csv
         expstore query "SELECT * FROM solver" --format parquet -o solver.parquet
     """
     if as_json:
         if fmt not in (None, "json"):
             raise click.UsageError(f"--json and --format {fmt} exclude each other")
         fmt = "json"
-    fmt = fmt or "table"
+    fmt = fmt or (_format_of(output) if output else "table")
     if fmt == "parquet" and not output:
         raise click.UsageError("--format parquet needs --output FILE")
     with target.open() as s:
@@ -455,10 +501,20 @@ def query(sql: str, params: tuple[str, ...], fmt: str | None, output: str | None
                 writer.writerow([raw_cell(v) for v in row.values()])
         else:
             rows = [list(r.values()) for r in result.to_pylist()]
-            out.write(format_table(result.column_names, rows, max_cell=max_width) + "\n")
+            out.write(format_result(result.column_names, rows, max_cell=max_width,
+                                    vertical=True if vertical else None) + "\n")
             out.write(f"({result.num_rows} row{'s' if result.num_rows != 1 else ''})\n")
     if output:
         click.echo(f"wrote {result.num_rows} rows to {output}", err=True)
+
+
+_QUERY_FORMAT_OF_SUFFIX = {".csv": "csv", ".json": "json", ".parquet": "parquet",
+                           ".pq": "parquet"}
+
+
+def _format_of(path: str) -> str:
+    """The query output format a file name asks for; table text for any other name."""
+    return _QUERY_FORMAT_OF_SUFFIX.get(os.path.splitext(path)[1].lower(), "table")
 
 
 @contextmanager
@@ -632,8 +688,8 @@ def version_bump(table: str, expected: int | None, weights_uri: str | None, targ
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False),
               help="File to write (appears only when complete).")
 @click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl"]),
-              help="File format [default: from the file name; .jsonl/.ndjson → jsonl, else "
-                   "parquet].")
+              help="File format [default: from the file name: .parquet/.pq → parquet, "
+                   ".jsonl/.ndjson → jsonl; another name needs --format].")
 @click.option("--chunk-rows", type=click.IntRange(min=1), default=10_000, show_default=True,
               help="Rows read and written per chunk.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",

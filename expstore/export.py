@@ -33,13 +33,28 @@ CHUNK_ROWS = 10_000
 ProgressFactory = Callable[[int], ContextManager[Any]]
 
 
+SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+
+
 def format_for(path: str, fmt: str | None) -> str:
-    """The export format: given, or from the file name (``.jsonl``/``.ndjson`` → jsonl)."""
+    """The export format: given, or from the file name (``.parquet``/``.pq`` → parquet,
+    ``.jsonl``/``.ndjson`` → jsonl).
+
+    Raises:
+        InvalidArgument: an unknown format, or a file name that names none (``x.csv`` must not
+            silently become Parquet).
+    """
     if fmt is not None:
         if fmt not in FORMATS:
             raise InvalidArgument(f"export format {fmt!r} is unknown; expected one of {FORMATS}")
         return fmt
-    return "jsonl" if path.lower().endswith((".jsonl", ".ndjson")) else "parquet"
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in SUFFIXES:
+        raise InvalidArgument(
+            f"cannot tell the export format from the file name {path!r}; export writes Parquet "
+            f"(.parquet) or JSON Lines (.jsonl): name the file so or give --format parquet|jsonl"
+            + (" (for CSV: expstore query \"SELECT …\" -o FILE.csv)" if suffix == ".csv" else ""))
+    return SUFFIXES[suffix]
 
 
 def export(store: Any, path: str, *, table: str | None = None, sql: str | None = None,

@@ -65,13 +65,26 @@ def _cut(text: str, width: int) -> str:
     return text[: max(width - 1, 0)] + "…"
 
 
+#: Columns squeezed below this many characters to fit the terminal are not readable any more:
+#: :func:`format_result` then shows one block per row instead.
+MIN_READABLE = 10
+
+
+def _terminal_width(width: int | None) -> int:
+    return shutil.get_terminal_size((120, 24)).columns if width is None else width
+
+
+def _natural_widths(headers: Sequence[str], texts: list[list[str]], max_cell: int) -> list[int]:
+    return [min(max([len(h)] + [len(r[i]) for r in texts]), max_cell)
+            for i, h in enumerate(headers)]
+
+
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *,
                  max_cell: int = MAX_CELL, width: int | None = None) -> str:
     """Rows as aligned columns that fit ``width`` (default: the terminal), long cells cut."""
     texts = [[cell(v) for v in row] for row in rows]
-    widths = [min(max([len(h)] + [len(r[i]) for r in texts]), max_cell)
-              for i, h in enumerate(headers)]
-    total = shutil.get_terminal_size((120, 24)).columns if width is None else width
+    widths = _natural_widths(headers, texts, max_cell)
+    total = _terminal_width(width)
     # Shrink the widest columns until the table fits (never below 4 characters).
     while sum(widths) + 2 * (len(widths) - 1) > total and max(widths, default=0) > 4:
         widest = widths.index(max(widths))
@@ -81,6 +94,42 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *,
     for r in texts:
         lines.append("  ".join(_cut(v, w).ljust(w) for v, w in zip(r, widths)).rstrip())
     return "\n".join(lines)
+
+
+def format_records(headers: Sequence[str], rows: Iterable[Sequence[Any]], *,
+                   max_cell: int = MAX_CELL) -> str:
+    """One block per row, a ``column  value`` line per column (psql's expanded display): for
+    results with more columns than a terminal shows side by side.
+
+    >>> print(format_records(["a", "long_name"], [[1, "x" * 50]], max_cell=10))
+    -[ row 1 ]------
+    a          1
+    long_name  xxxxxxxxx…
+    """
+    name_width = max((len(h) for h in headers), default=0)
+    blocks = []
+    for number, row in enumerate(rows, 1):
+        head = f"-[ row {number} ]"
+        lines = [head + "-" * max(name_width + 2 + 5 - len(head), 3)]
+        lines += [f"{h.ljust(name_width)}  {_cut(cell(v), max_cell)}".rstrip()
+                  for h, v in zip(headers, row)]
+        blocks.append("\n".join(lines))
+    return "\n".join(blocks)
+
+
+def format_result(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
+                  max_cell: int = MAX_CELL, width: int | None = None,
+                  vertical: bool | None = None) -> str:
+    """A query result for people: aligned columns when they fit ``width`` (default: the
+    terminal) with at least :data:`MIN_READABLE` characters each, else one block per row
+    (:func:`format_records`). ``vertical`` True or False forces one of the two."""
+    if vertical is None:
+        texts = [[cell(v) for v in row] for row in rows]
+        least = [min(w, MIN_READABLE) for w in _natural_widths(headers, texts, max_cell)]
+        vertical = sum(least) + 2 * (len(least) - 1) > _terminal_width(width)
+    if vertical:
+        return format_records(headers, rows, max_cell=max_cell)
+    return format_table(headers, rows, max_cell=max_cell, width=width)
 
 
 def format_pairs(pairs: Sequence[tuple[str, Any]]) -> str:

@@ -14,11 +14,14 @@ acknowledged is durable by then) and the process exits without waiting for those
 """
 from __future__ import annotations
 
+import errno
 import gc
 import importlib.util
 import logging
 import os
 import signal
+import socket
+import ssl
 import sys
 import threading
 import time
@@ -53,6 +56,83 @@ def tune_gc() -> None:
     gc.set_threshold(100_000, 50, 100)
 
 
+def check_can_listen(host: str, port: int) -> None:
+    """Refuse, with the cause and what to do, an address gRPC could not listen on.
+
+    gRPC's own failure is "Server did not start properly" between lines of its C-core's log, the
+    same for every cause; a bind tried here first tells them apart. (A port taken between this
+    check and the server's bind still fails the server's way.)
+
+    Raises:
+        InvalidArgument: the host is unknown or not an address of this machine, or the port is in
+            use.
+    """
+    from store.errors import InvalidArgument
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise InvalidArgument(f"--host {host!r} is not a known host name or address "
+                              f"({e.strerror}); use 127.0.0.1, 0.0.0.0 or an address of this "
+                              "machine") from None
+    with socket.socket(family, kind, proto) as probe:
+        # As gRPC does: a port whose last connections linger in TIME_WAIT is free to listen on.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise InvalidArgument(
+                    f"port {port} on {host} is in use (another expstore serve?); stop what "
+                    "listens there, or pick another with --port (0 picks a free one)") from None
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise InvalidArgument(
+                    f"--host {host} is not an address of this machine; use 127.0.0.1 (this "
+                    "machine only), 0.0.0.0 (every interface) or one of its addresses") from None
+            if e.errno == errno.EACCES:
+                raise InvalidArgument(
+                    f"port {port} needs privileges to listen on; pick one above 1023 with "
+                    "--port") from None
+            raise InvalidArgument(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def check_tls_files(cert: str, key: str) -> None:
+    """Refuse a TLS certificate or key that gRPC would fail on ("Server did not start
+    properly"), naming the file and the cause.
+
+    Raises:
+        InvalidArgument: either is no PEM file, or the key does not belong to the certificate.
+    """
+    from store.errors import InvalidArgument
+
+    texts = {}
+    for option, path in (("--tls-cert", cert), ("--tls-key", key)):
+        try:
+            with open(path, "rb") as f:
+                texts[option] = f.read()
+        except OSError as e:
+            raise InvalidArgument(f"TLS cannot start: {option} {path!r}: {e.strerror}") from None
+    cause = None
+    if b"-----BEGIN CERTIFICATE-----" not in texts["--tls-cert"]:
+        cause = f"--tls-cert {cert!r} holds no PEM certificate (-----BEGIN CERTIFICATE-----)"
+    elif b"PRIVATE KEY-----" not in texts["--tls-key"]:
+        cause = f"--tls-key {key!r} holds no PEM private key (-----BEGIN PRIVATE KEY-----)"
+    elif b"ENCRYPTED" in texts["--tls-key"]:
+        cause = f"--tls-key {key!r} is encrypted; the server needs it without a passphrase"
+    else:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        except ssl.SSLError as e:
+            cause = (f"--tls-key {key!r} is not the key of --tls-cert {cert!r}"
+                     if e.reason == "KEY_VALUES_MISMATCH" else
+                     f"--tls-cert {cert!r} or --tls-key {key!r} is damaged (it does not load"
+                     + (f": {e.reason})" if e.reason else ")"))
+    if cause is not None:
+        raise InvalidArgument(f"TLS cannot start: {cause}; give --tls-cert a PEM certificate "
+                              "and --tls-key its unencrypted PEM private key")
+
+
 def ready_line(location: str, db: str) -> str:
     return f"expstore serving {location} (db {db})"
 
@@ -70,9 +150,13 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
     signal); then the store is closed and the process exits 0 without them.
 
     Raises:
-        ExpstoreError: the store cannot be opened (e.g. the file is locked by another process).
+        ExpstoreError: the store cannot be opened (e.g. the file is locked by another process);
+            InvalidArgument: the address cannot be listened on, or the TLS files are unusable.
     """
+    import pyarrow as pa
+
     from flight_server.server import ExpstoreFlightServer  # late: keeps `expstore --help` quick
+    from store.errors import Unavailable
 
     out = out if out is not None else sys.stdout
     options: dict[str, Any] = {}
@@ -88,8 +172,15 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
         elif warn is not None:
             warn(f"warning: --metrics-port {metrics_port} ignored: this installation has no "
                  "metrics module (flight_server.metrics)")
-    server = ExpstoreFlightServer(db, host=host, port=port, tokens_file=tokens_file,
-                                  tls_cert=tls_cert, tls_key=tls_key, **options)
+    check_can_listen(host, port)
+    if tls_cert and tls_key:
+        check_tls_files(tls_cert, tls_key)
+    try:
+        server = ExpstoreFlightServer(db, host=host, port=port, tokens_file=tokens_file,
+                                      tls_cert=tls_cert, tls_key=tls_key, **options)
+    except pa.ArrowException as e:  # what the checks above did not foresee
+        raise Unavailable(f"the server could not start on {host}:{port} ({e}); gRPC's own "
+                          "lines above name the cause") from None
     if getattr(server, "metrics_port", None) is not None:
         log.info("Prometheus metrics on http://%s:%s/metrics", host, server.metrics_port)
     stopper = _Stopper(server)

@@ -39,8 +39,20 @@ def known_revisions() -> tuple[str, ...]:
 
 
 def upgrade(db_path: str, revision: str = "head") -> None:
-    """Upgrade the catalog of the database at ``db_path`` to ``revision``."""
-    command.upgrade(_config(db_path), revision)
+    """Upgrade the catalog of the database at ``db_path`` to ``revision``.
+
+    Raises:
+        StorageError: the file cannot be opened or written (the cause in DuckDB's words, not
+            SQLAlchemy's wrapping of it).
+        alembic.util.CommandError: ``revision`` is unknown.
+    """
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        command.upgrade(_config(db_path), revision)
+    except DBAPIError as e:
+        from store.opening import open_error
+        raise open_error(db_path, e.orig if e.orig is not None else e) from e
 
 
 def downgrade(db_path: str, revision: str) -> None:

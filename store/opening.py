@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import duckdb
@@ -91,15 +92,17 @@ def connect_duckdb(path: str, memory_limit: str | None) -> duckdb.DuckDBPyConnec
     try:
         con = duckdb.connect(path, config=duckdb_config(memory_limit))
     except duckdb.Error as e:
-        raise _open_error(path, e) from e
+        raise open_error(path, e) from e
     # A query over 2 s drew DuckDB's progress bar on the server's stderr (its log). The setting
     # is per connection (not allowed in the config), and cursors made later inherit it.
     con.execute("SET enable_progress_bar = false")
     return con
 
 
-def _open_error(path: str, e: Exception) -> Exception:
-    text = str(e)
+def open_error(path: str, e: BaseException) -> Exception:
+    """The store error for a database file DuckDB could not open: the cause in DuckDB's words
+    (without its exception class or documentation link) and what to do."""
+    text = _reason(e)
     if "lock" in text.lower():
         return StorageError(
             f"database {path!r} is in use by another process (only one process can write a "
@@ -108,9 +111,18 @@ def _open_error(path: str, e: Exception) -> Exception:
     if "version" in text.lower() and "storage" in text.lower():
         return CatalogOutdated(f"database {path!r} was written by a newer DuckDB/expstore than "
                                f"this one can read; upgrade expstore: {text}")
-    if isinstance(e, duckdb.IOException) or isinstance(e, OSError):
-        return StorageError(f"database {path!r} cannot be opened: {text}")
-    return StorageError(f"database {path!r} cannot be opened: {text}")
+    if "not a valid duckdb database" in text.lower():
+        return StorageError(f"database {path!r} is not a DuckDB database ({text}); give --db an "
+                            "expstore database or the name of a new file")
+    return StorageError(f"database {path!r} cannot be opened: {text}; check that its directory "
+                        "exists and this user may write there")
+
+
+def _reason(e: BaseException) -> str:
+    """DuckDB's message without its "IO Error:" class prefix and "See also <url>" tail."""
+    text = str(e).strip()
+    text = re.sub(r"\s*See also https?://\S+$", "", text)
+    return re.sub(r"^[A-Za-z ]*Error: ", "", text)
 
 
 def catalog_revision(path: str) -> str | None:
@@ -120,7 +132,7 @@ def catalog_revision(path: str) -> str | None:
     try:
         con = duckdb.connect(path, config=duckdb_config(None))
     except duckdb.Error as e:
-        raise _open_error(path, e) from e
+        raise open_error(path, e) from e
     try:
         has = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = "
                           "'alembic_version'").fetchone()

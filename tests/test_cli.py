@@ -165,8 +165,16 @@ def test_explicit_db_beats_uri_from_the_environment(tmp_path):
     assert ok(result).stdout.split() == ["solver"]
 
 
-def test_an_unreachable_server_is_a_clear_error():
-    fails(invoke("tables", "--uri", "grpc://127.0.0.1:1"), 1, "no expstore server answers")
+def test_a_refused_connection_fails_at_once_naming_the_address():
+    result = fails(invoke("tables", "--uri", "grpc://127.0.0.1:1"), 1,
+                   "no expstore server listens at 127.0.0.1:1 (connection refused)",
+                   "expstore serve --port 1")
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_an_unknown_server_host_is_a_clear_error():
+    fails(invoke("tables", "--uri", "grpc://no-such-host.invalid:8815"), 1,
+          "'no-such-host.invalid'", "unknown")
 
 
 def test_an_unknown_uri_scheme_is_a_clear_error():
@@ -196,7 +204,9 @@ def test_create_table_and_describe(backend):
 
 def test_create_table_twice(backend):
     ok(backend.run("create-table", "t", "a:int64"))
-    fails(backend.run("create-table", "t", "a:int64"), 1, "already exists")
+    result = fails(backend.run("create-table", "t", "a:int64"), 1, "already exists",
+                   "add --if-not-exists")
+    assert "if_not_exists=True" not in result.output  # the library's spelling, not the CLI's
     ok(backend.run("create-table", "t", "a:int64", "--if-not-exists"))
 
 
@@ -249,6 +259,50 @@ def test_query_table_format_is_aligned_and_cut(seeded):
     assert "prompt 0 xxxxxxxxxx…" in lines[2]  # 20 characters, cut with an ellipsis
     assert lines[2].index("prompt 0") == lines[0].index("prompt")  # aligned
     assert lines[-1] == "(2 rows)"
+
+
+WIDE = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+
+
+@pytest.fixture
+def wide(tmp_path) -> str:
+    """A table of 26 string columns, two rows of 12-character values."""
+    db = str(tmp_path / "wide.duckdb")
+    with _opened(db) as s:
+        s.create_table("wide", {c: "string" for c in WIDE})
+        s.put("wide", {"sample_id": ["q0_0_0", "q1_0_0"],
+                       **{c: [c * 12, f"value of {c}"] for c in WIDE}})
+    return db
+
+
+def test_a_result_too_wide_for_the_terminal_is_shown_one_row_per_block(wide):
+    out = ok(invoke("query", f"SELECT {', '.join(WIDE)} FROM wide ORDER BY a", "--db", wide,
+                    env={"COLUMNS": "120"})).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("-[ row 1 ]") and "-[ row 2 ]" in out
+    assert "a  aaaaaaaaaaaa" in lines  # whole values, not 4 characters
+    assert "z  value of z" in lines
+    assert lines[-1] == "(2 rows)"
+    cut = ok(invoke("query", f"SELECT {', '.join(WIDE)} FROM wide ORDER BY a", "--db", wide,
+                    "--max-width", "8", env={"COLUMNS": "120"})).stdout.splitlines()
+    assert "a  aaaaaaa…" in cut  # --max-width is honoured there too
+
+
+def test_a_result_that_fits_stays_a_table_and_vertical_can_be_asked_for(wide):
+    sql = "SELECT a, b FROM wide ORDER BY a"
+    table = ok(invoke("query", sql, "--db", wide, env={"COLUMNS": "120"})).stdout.splitlines()
+    assert table[0].split() == ["a", "b"] and "aaaaaaaaaaaa" in table[2]
+    records = ok(invoke("query", sql, "--db", wide, "--vertical")).stdout.splitlines()
+    assert records[0].startswith("-[ row 1 ]") and "b  bbbbbbbbbbbb" in records
+
+
+def test_query_output_format_follows_the_file_name(seeded, tmp_path):
+    ok(seeded.run("query", "SELECT sample_id FROM solver", "-o", str(tmp_path / "o.csv")))
+    assert (tmp_path / "o.csv").read_text().splitlines()[0] == "sample_id"
+    ok(seeded.run("query", "SELECT sample_id FROM solver", "-o", str(tmp_path / "o.parquet")))
+    assert pq.read_table(tmp_path / "o.parquet").num_rows == ROWS
+    ok(seeded.run("query", "SELECT sample_id FROM solver", "-o", str(tmp_path / "o.json")))
+    assert len(json.loads((tmp_path / "o.json").read_text())) == ROWS
 
 
 def test_query_csv(seeded, tmp_path):
@@ -400,12 +454,21 @@ def test_export_an_empty_table(backend, tmp_path):
     (["solver"], 2, "--output"),
     (["--sql", "DROP TABLE solver", "-o", "{tmp}/n.parquet"], 1, "read-only"),
     (["solver", "-o", "{tmp}/no/such/dir/n.parquet"], 1, "n.parquet.partial"),
-], ids=["unknown-table", "no-source", "two-sources", "no-output", "write-sql", "bad-dir"])
+    (["solver", "-o", "{tmp}/n.csv"], 1, "cannot tell the export format"),
+    (["solver", "-o", "{tmp}/n"], 1, "give --format parquet|jsonl"),
+], ids=["unknown-table", "no-source", "two-sources", "no-output", "write-sql", "bad-dir",
+        "csv-name", "no-suffix"])
 def test_export_bad_input(seeded, tmp_path, args, code, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     fails(seeded.run("export", *args), code, message)
     assert not (tmp_path / "n.parquet").exists()
     assert not (tmp_path / "n.parquet.partial").exists()
+    assert not (tmp_path / "n.csv").exists() and not (tmp_path / "n").exists()
+
+
+def test_export_format_given_beats_the_file_name(seeded, tmp_path):
+    ok(seeded.run("export", "solver", "-o", str(tmp_path / "n.data"), "--format", "parquet"))
+    assert pq.read_table(tmp_path / "n.data").num_rows == ROWS
 
 
 def test_gc(seeded):
@@ -424,6 +487,30 @@ def test_migrate(tmp_path):
     assert "already there" in again
     with _opened(db) as s:  # the migrated catalog opens as a store
         assert s.list_tables() == []
+
+
+def _one_clean_line(result: Result) -> str:
+    """The message of a failure told in one line, in the CLI's words, not the database's."""
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    for internal in ("_duckdb", "sqlalche", "Background on this error", "See also http"):
+        assert internal not in result.output, result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_migrate_on_an_unwritable_path_is_one_line(tmp_path, where):
+    (tmp_path / "file").write_text("x")
+    db = str(tmp_path / "file" / "m.duckdb") if where == "under-a-file" else "/proc/m.duckdb"
+    line = _one_clean_line(fails(invoke("migrate", "--db", db), 1, "cannot be opened"))
+    assert repr(db) in line and "check that its directory exists" in line
+
+
+def test_a_file_that_is_no_database_is_one_line(tmp_path):
+    db = tmp_path / "text.duckdb"
+    db.write_text("hello\n" * 100)
+    for command in (["migrate"], ["tables"]):
+        _one_clean_line(fails(invoke(*command, "--db", str(db)), 1, "is not a DuckDB database"))
 
 
 def test_migrate_to_an_unknown_revision(tmp_path):

@@ -334,7 +334,56 @@ def test_serve_refuses_a_locked_database(start_server, tmp_path):
     assert second.proc.wait(timeout=READY_TIMEOUT) == 1
     err = second.stderr_path.read_text()
     assert "in use by another process" in err and "Traceback" not in err
+    assert "See also http" not in err  # DuckDB's documentation link is not the operator's cause
     assert first.stop(signal.SIGTERM) == 0
+
+
+# -- a server that cannot start says why, in one line ------------------------------------------
+def _refused_start(start_server, tmp_path: Path, *args: str) -> str:
+    """Start ``expstore serve`` expecting it to refuse; its stderr, checked for gRPC's noise."""
+    server = start_server("-m", "expstore.cli", "serve", "--db", str(tmp_path / "s.duckdb"),
+                          *args)
+    assert server.proc.wait(timeout=READY_TIMEOUT) == 1
+    err = server.stderr_path.read_text()
+    for noise in ("Server did not start properly", "Traceback", "absl", "add_port.cc"):
+        assert noise not in err, err
+    assert len([line for line in err.splitlines() if line.startswith("Error: ")]) == 1, err
+    return err
+
+
+def test_serve_on_a_port_in_use_names_it(start_server, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err = _refused_start(start_server, tmp_path, "--port", str(port))
+    assert f"port {port} on 127.0.0.1 is in use" in err and "--port" in err
+
+
+def test_serve_on_an_address_of_another_machine_names_it(start_server, tmp_path):
+    # 192.0.2.1: TEST-NET-1 (RFC 5737), never an address of this machine
+    err = _refused_start(start_server, tmp_path, "--host", "192.0.2.1", "--port", "0")
+    assert "--host 192.0.2.1 is not an address of this machine" in err
+
+
+@pytest.mark.parametrize("cert, key, cause", [
+    ("garbage", "key", "holds no PEM certificate"),
+    ("cert", "garbage", "holds no PEM private key"),
+    ("cert", "other-key", "is not the key of --tls-cert"),
+    ("cert", "cert", "holds no PEM private key"),
+])
+def test_serve_with_an_unusable_tls_certificate_or_key_names_it(start_server, tmp_path, cert,
+                                                                  key, cause):
+    from flight_fixtures import self_signed_cert
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    files = dict(zip(("cert", "key"), self_signed_cert(tmp_path / "a")))
+    files["other-key"] = self_signed_cert(tmp_path / "b")[1]
+    files["garbage"] = str(tmp_path / "garbage.pem")
+    Path(files["garbage"]).write_text("not a PEM file\n")
+    err = _refused_start(start_server, tmp_path, "--port", "0", "--tls-cert", files[cert],
+                         "--tls-key", files[key])
+    assert "TLS cannot start" in err and cause in err, err
 
 
 def test_serve_takes_the_cache_and_live_row_limits(start_server, tmp_path):
