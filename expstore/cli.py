@@ -238,7 +238,11 @@ def _size_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="Serve Prometheus /metrics over HTTP on this port (0: a free one; needs the "
                    "flight_server.metrics module; without it the option is ignored with a "
-                   "warning).")
+                   "warning). With --tokens-file a scrape needs one of its tokens (header "
+                   "'Authorization: Bearer <token>', any role), else 401.")
+@click.option("--metrics-host", metavar="ADDRESS",
+              help="Address /metrics listens on (default: --host), e.g. 127.0.0.1 to keep it "
+                   "off the network while Flight listens on 0.0.0.0.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True, help="Log level of the server's stderr log.")
 @click.option("--shutdown-grace", metavar="SECONDS", type=click.FloatRange(min=0),
@@ -247,8 +251,8 @@ def _size_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
                    "stops waiting); then close the store and exit without them.")
 def serve(db: str, host: str, port: int, tokens_file: str | None, tls_cert: str | None,
           tls_key: str | None, memory_limit: str | None, cache_limit: int,
-          max_live_rows: int | None, metrics_port: int | None, log_level: str,
-          shutdown_grace: float) -> None:
+          max_live_rows: int | None, metrics_port: int | None, metrics_host: str | None,
+          log_level: str, shutdown_grace: float) -> None:
     """Serve a store over Arrow Flight until SIGINT/SIGTERM.
 
     Prints one line, "expstore serving grpc://HOST:PORT (db PATH)", once it accepts calls. On
@@ -272,7 +276,7 @@ def serve(db: str, host: str, port: int, tokens_file: str | None, tls_cert: str 
     run_server(db, host=host, port=port, tokens_file=tokens_file, tls_cert=tls_cert,
                tls_key=tls_key, memory_limit=memory_limit, cache_limit=cache_limit,
                max_live_rows=max_live_rows, metrics_port=metrics_port,
-               warn=lambda message: click.echo(message, err=True),
+               metrics_host=metrics_host, warn=lambda message: click.echo(message, err=True),
                shutdown_grace=shutdown_grace)
 
 

@@ -141,7 +141,7 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
                tokens_file: str | None = None, tls_cert: str | None = None,
                tls_key: str | None = None, memory_limit: str | None = None,
                cache_limit: int | None = None, max_live_rows: int | None = None,
-               metrics_port: int | None = None,
+               metrics_port: int | None = None, metrics_host: str | None = None,
                out: TextIO | None = None, warn: Callable[[str], Any] | None = None,
                shutdown_grace: float = SHUTDOWN_GRACE_SECONDS) -> int:
     """Serve ``db`` until SIGINT or SIGTERM; print one ready line to ``out``; return 0.
@@ -169,6 +169,8 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
     if metrics_port is not None:
         if metrics_available():
             options["metrics_port"] = metrics_port
+            if metrics_host:
+                options["metrics_host"] = metrics_host
         elif warn is not None:
             warn(f"warning: --metrics-port {metrics_port} ignored: this installation has no "
                  "metrics module (flight_server.metrics)")
@@ -182,7 +184,8 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
         raise Unavailable(f"the server could not start on {host}:{port} ({e}); gRPC's own "
                           "lines above name the cause") from None
     if getattr(server, "metrics_port", None) is not None:
-        log.info("Prometheus metrics on http://%s:%s/metrics", host, server.metrics_port)
+        log.info("Prometheus metrics on http://%s:%s/metrics%s", server.metrics_host,
+                 server.metrics_port, " (bearer token required)" if tokens_file else "")
     stopper = _Stopper(server)
     # Signal handlers can only be installed on the main thread; elsewhere the caller stops us.
     on_main = threading.current_thread() is threading.main_thread()

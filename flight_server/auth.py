@@ -72,6 +72,14 @@ class AuthMiddlewareFactory(flight.ServerMiddlewareFactory):
         presented = values[0] if values else ""
         if isinstance(presented, bytes):
             presented = presented.decode("utf-8", "replace")
+        return AuthMiddleware(self.principal(presented))
+
+    def principal(self, presented: str) -> Principal:
+        """Who an ``authorization`` header value names (also for the metrics endpoint).
+
+        Raises:
+            flight.FlightUnauthenticatedError: no bearer token, or one that is not valid.
+        """
         if not presented.lower().startswith("bearer "):
             raise flight.FlightUnauthenticatedError(
                 "[unauthenticated] this server needs a bearer token "
@@ -85,7 +93,7 @@ class AuthMiddlewareFactory(flight.ServerMiddlewareFactory):
         if found is None:
             raise flight.FlightUnauthenticatedError("[unauthenticated] the bearer token is not "
                                                     "valid")
-        return AuthMiddleware(found)
+        return found
 
 
 def principal_of(context: flight.ServerCallContext) -> Principal:

@@ -10,18 +10,31 @@ Exported (prefix ``expstore_``): ``rows_put_total``, ``puts_total``, ``claims_to
 ``pending_rows``; ``writer_queue_depth``; ``writer_up``; ``health{status=…, error=…}`` (1, with
 ``health``'s status ok / failed / closed and the cause of a failure, e.g. a full disk);
 histogram ``request_seconds{verb=…}``.
+
+The endpoint is as protected as the Flight server: when the server has a tokens file, a scrape
+needs ``Authorization: Bearer <token>`` with any of its tokens (Prometheus: ``authorization:
+{credentials: …}`` in the scrape config), else it gets 401; and it can listen on an address of its
+own (``--metrics-host``, e.g. loopback while Flight listens on every interface).
 """
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+import pyarrow.flight as flight
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from store.embedded import EmbeddedStore
+
+if TYPE_CHECKING:
+    from .auth import AuthMiddlewareFactory
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
                    5, 10)
@@ -67,6 +80,36 @@ class StoreCollector(Collector):
         yield status
 
 
+_WsgiApp = Callable[[dict, Callable], Iterable[bytes]]
+
+
+def _bearer_only(app: _WsgiApp, auth: "AuthMiddlewareFactory") -> _WsgiApp:
+    """``app`` behind the Flight server's bearer tokens (any role may read metrics)."""
+    def guarded(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        try:
+            auth.principal(environ.get("HTTP_AUTHORIZATION", ""))
+        except flight.FlightUnauthenticatedError as e:
+            start_response("401 Unauthorized", [
+                ("Content-Type", "text/plain; charset=utf-8"),
+                ("WWW-Authenticate", 'Bearer realm="expstore metrics"')])
+            return [f"{e}\n".encode()]
+        return app(environ, start_response)
+    return guarded
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper must not hold the server's exit
+
+
+class _ThreadingServer6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass  # one line per scrape on stderr is noise in the server's log
+
+
 def _bounded(text: str, limit: int = 1000) -> str:
     """A label value of bounded size (a cause may quote a long DuckDB message)."""
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
@@ -97,10 +140,21 @@ class Metrics:
             child = self._by_verb[verb] = self.latency.labels(verb)
         child.observe(seconds)
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Start the HTTP endpoint (``/metrics``); returns the port it listens on."""
-        self._http: Any
-        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1",
+              auth: "AuthMiddlewareFactory | None" = None) -> int:
+        """Start the HTTP endpoint (``/metrics``); returns the port it listens on.
+
+        ``auth``: the Flight server's token check; a scrape then needs one of its bearer tokens.
+        """
+        app = make_wsgi_app(self.registry)
+        if auth is not None:
+            app = _bearer_only(app, auth)
+        server_class = _ThreadingServer6 if ":" in host else _ThreadingServer
+        self._http: Any = make_server(host, port, app, server_class,
+                                      handler_class=_QuietHandler)
+        self._thread = threading.Thread(target=self._http.serve_forever,
+                                        name="expstore-metrics", daemon=True)
+        self._thread.start()
         return int(self._http.server_port)
 
     def close(self) -> None:

@@ -58,14 +58,16 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         host, port: where to listen (port 0 picks a free one; see :attr:`port`).
         tokens_file: JSON tokens file turning on bearer-token auth (see flight_server.auth).
         tls_cert, tls_key: PEM files turning on TLS (``grpc+tls://``).
-        metrics_port: serve Prometheus metrics over HTTP on this port (0: a free one).
+        metrics_port: serve Prometheus metrics over HTTP on this port (0: a free one); with a
+            tokens file, a scrape needs one of its bearer tokens.
+        metrics_host: the address the metrics endpoint listens on (default: ``host``).
         store_options: passed to :class:`EmbeddedStore`.
     """
 
     def __init__(self, db: str | EmbeddedStore, *, host: str = "127.0.0.1", port: int = 8815,
                  tokens_file: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, metrics_port: int | None = None,
-                 **store_options: Any) -> None:
+                 metrics_host: str | None = None, **store_options: Any) -> None:
         tls = None
         scheme = "grpc"
         if tls_cert or tls_key:
@@ -76,8 +78,10 @@ class ExpstoreFlightServer(flight.FlightServerBase):
             scheme = "grpc+tls"
         middleware = {}
         self.auth_enabled = tokens_file is not None
-        if tokens_file is not None:
-            middleware["auth"] = AuthMiddlewareFactory(load_tokens(tokens_file))
+        auth = AuthMiddlewareFactory(load_tokens(tokens_file)) if tokens_file is not None \
+            else None
+        if auth is not None:
+            middleware["auth"] = auth
         self._owns_store = not isinstance(db, EmbeddedStore)
         self.store: EmbeddedStore = db if isinstance(db, EmbeddedStore) else \
             EmbeddedStore(db, **store_options)
@@ -101,8 +105,9 @@ class ExpstoreFlightServer(flight.FlightServerBase):
             if self._owns_store:
                 self.store.close()
             raise
-        self.metrics_port = self.metrics.serve(metrics_port, host) if metrics_port is not None \
-            else None
+        self.metrics_host = metrics_host or host
+        self.metrics_port = self.metrics.serve(metrics_port, self.metrics_host, auth) \
+            if metrics_port is not None else None
 
     @property
     def location(self) -> str:

@@ -1302,8 +1302,9 @@ class Writer:
             store._weights[op.group] = op.weights_uri
             for live, rows in stale:
                 for row in rows:
-                    if row.state != LEASED:
+                    if row.state != LEASED:  # (one leased since is staled when it settles)
                         live.forget(row)
+                        store.counters["stale_rows"] += 1
             for live in store._live.values():
                 if live.tdef.version_group == op.group:
                     live.prune_terminal(new - live.tdef.max_staleness)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Iterator
 
@@ -15,6 +16,7 @@ from store.errors import StoreClosed
 from flight_server.server import ExpstoreFlightServer
 
 import reliability_helpers as rh
+from flight_fixtures import TOKENS, WRONG_TOKEN, write_tokens
 
 
 @pytest.fixture
@@ -78,7 +80,7 @@ def test_counters_and_queue_depths_match_what_happened(server):
         m = scrape(server.metrics_port)
         expected = {"puts": 4, "rows_put": 17, "claims": 4, "rows_claimed": 11, "acks": 1,
                     "rows_acked": 4, "nacks": 1, "leases_expired": 1, "redeliveries": 3,
-                    "dead_letters": 3, "version_bumps": 1}
+                    "dead_letters": 3, "version_bumps": 1, "stale_rows": 5}
         got = {k: counter(m, k) for k in expected}
         assert got == expected
         # Queue depths per table.
@@ -103,6 +105,21 @@ def test_counters_and_queue_depths_match_what_happened(server):
         s.ack(held.claim_id)
         m = scrape(server.metrics_port)
         assert counter(m, "acks") == 2 and gauge(m, "processing_rows", "m") == 0
+
+
+def test_stale_rows_count_rows_staled_by_a_bump_and_by_a_settle_once_each(server):
+    """Issue 29: rows a version bump made stale were not counted, only leased rows staled when
+    their lease ended."""
+    with store.connect(server.location) as s:
+        s.create_table("v", {"reward": "float64"})
+        s.put("v", {"sample_id": rh.sample_ids("s", 0, 3), "reward": [1.0] * 3})
+        held = s.claim("v", 1)
+        s.bump_version("v")                                    # 2 free rows stale at once
+        assert counter(scrape(server.metrics_port), "stale_rows") == 2
+        s.nack(held.claim_id)                                  # the leased one, when settled
+        m = scrape(server.metrics_port)
+        assert counter(m, "stale_rows") == 3
+        assert s.stats("v")["v"]["stale"] == 3
 
 
 def test_metrics_move_under_load(server):
@@ -134,3 +151,42 @@ def test_writer_up_drops_to_zero_when_the_writer_stops(server, monkeypatch):
         with pytest.raises(StoreClosed, match="injected writer bug"):
             s.put("u", {"sample_id": ["a_0_0"], "reward": [1.0]})
         assert scrape(server.metrics_port)[("expstore_writer_up", ())] == 0
+
+
+def _status_of(port: int, token: str | None) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_metrics_need_a_token_when_the_server_has_tokens(tmp_path):
+    """Issue 29: /metrics answered anyone while every Flight call needed a token."""
+    tokens = write_tokens(tmp_path / "tokens.json")
+    srv = ExpstoreFlightServer(str(tmp_path / "x.duckdb"), host="127.0.0.1", port=0,
+                               metrics_port=0, metrics_host="127.0.0.1", tokens_file=tokens)
+    thread = threading.Thread(target=srv.serve, name="metrics-auth-server", daemon=True)
+    thread.start()
+    try:
+        assert srv.metrics_host == "127.0.0.1"
+        status, body = _status_of(srv.metrics_port, None)
+        assert status == 401 and "bearer token" in body and "expstore_" not in body
+        status, body = _status_of(srv.metrics_port, WRONG_TOKEN)
+        assert status == 401 and "not valid" in body and "expstore_" not in body
+        status, body = _status_of(srv.metrics_port, TOKENS["reader"])  # any role may scrape
+        assert status == 200 and "expstore_rows_put_total" in body
+    finally:
+        srv.close()
+        thread.join(timeout=30)
+
+
+def test_serve_help_documents_how_metrics_are_protected():
+    from click.testing import CliRunner
+    from expstore.cli import cli
+
+    text = " ".join(CliRunner().invoke(cli, ["serve", "--help"]).output.split())
+    assert "--metrics-host" in text and "Bearer" in text and "401" in text
