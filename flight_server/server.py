@@ -175,7 +175,11 @@ class ExpstoreFlightServer(flight.FlightServerBase):
             # the next; one at a time, so batches reach the writer (and answers) in stream order.
             preparing: Future | None = None
             try:
-                for chunk in reader:
+                try:
+                    chunk_stream = iter(reader)
+                except (OSError, pa.ArrowException) as e:
+                    raise _client_gone_or(e, context) from e
+                for chunk in _read_or_gone(chunk_stream, context):
                     answers.raise_failure()
                     if chunk.data is None or chunk.data.num_rows == 0:
                         continue
@@ -191,11 +195,20 @@ class ExpstoreFlightServer(flight.FlightServerBase):
                     index += 1
                 if preparing is not None:
                     preparing.result()
+            except ClientGone as e:
+                answers.client_gone(e)
             finally:
                 if preparing is not None:  # (the stream may have broken while a batch was
                     wait_futures([preparing])  # prepared: it is queued or answered either way)
                 # Answer (or fail on) every batch already handed to the writer, in order.
                 answers.finish()
+            if answers.gone is not None:
+                # Not an error of the server's: one line, no traceback (the batches handed to
+                # the writer are stored all the same; an at-least-once producer sends again).
+                log.info("do_put to %r: the client went away after %d batches (%s); the "
+                         "batches received are stored, their answers were not delivered",
+                         table, index, answers.gone)
+                raise answers.gone
             answers.raise_failure()
 
     def _queue_batch(self, answers: "_PutAnswers", index: int, table: str,
@@ -360,6 +373,30 @@ _PREPARE_POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="expstore-
 _ANSWER_POOL = ThreadPoolExecutor(max_workers=512, thread_name_prefix="expstore-put-answers")
 
 
+class ClientGone(Unavailable):
+    """The client of a call went away (disconnected, killed) in the middle of it."""
+
+
+def _client_gone_or(error: BaseException, context: flight.ServerCallContext) -> BaseException:
+    """``error`` of a stream read, or ClientGone when the call was cancelled under it (the
+    client disconnected): then it is no failure of the server, nor bad input."""
+    if context.is_cancelled():
+        return ClientGone(f"the call was cancelled: {error}")
+    return error
+
+
+def _read_or_gone(chunks: Iterator, context: flight.ServerCallContext) -> Iterator:
+    """A do_put's chunks; a read that fails because the client went away raises ClientGone."""
+    while True:
+        try:
+            chunk = next(chunks)
+        except StopIteration:
+            return
+        except (OSError, pa.ArrowException) as e:
+            raise _client_gone_or(e, context) from e
+        yield chunk
+
+
 class _PutAnswers:
     """Answers a do_put's batches, in order, each as soon as its commit is durable.
 
@@ -377,6 +414,8 @@ class _PutAnswers:
         self._in_flight = self._in_flight_bytes = 0
         self._room = threading.Condition()
         self._failure: BaseException | None = None
+        #: Set once the client went away (an answer could not be written, or a read failed).
+        self.gone: ClientGone | None = None
         # A pooled thread, not a new one per call: one-sample puts are mostly this overhead.
         self._done = _ANSWER_POOL.submit(self._run)
 
@@ -417,8 +456,14 @@ class _PutAnswers:
         try:
             self._writer.write(pa.py_buffer(json.dumps(answer, default=str).encode()))
         except (pa.ArrowException, OSError) as e:  # the client went away
-            if self._failure is None:
-                self._failure = e
+            self.client_gone(ClientGone(f"an answer could not be written: {e}"))
+
+    def client_gone(self, error: ClientGone) -> None:
+        """Note that the client went away: no more answers are written."""
+        if self.gone is None:
+            self.gone = error
+        if self._failure is None:
+            self._failure = error
 
     def raise_failure(self) -> None:
         if self._failure is not None:

@@ -418,3 +418,41 @@ def test_claim_reports_this_delivery_in_delivery_count(client):
         header, tables = parse_claim(action(client, "claim", {"table": TABLE, "limit": 1}))
         counts += tables[TABLE].column("delivery_count").to_pylist()
     assert counts == [1] * 20
+
+
+PUTTER_PROCESS = """
+import os, signal, sys
+import pyarrow as pa
+import pyarrow.flight as flight
+client = flight.FlightClient(sys.argv[1])
+n = 20000
+batch = pa.record_batch({"sample_id": [f"big{i}_0_0" for i in range(n)],
+                         "prompt": ["p" * 2000] * n, "reward": [1.0] * n})
+writer, reader = client.do_put(flight.FlightDescriptor.for_path(sys.argv[2]), batch.schema)
+writer.write_batch(batch)
+print("sent", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # gone before the batch is answered
+"""
+
+
+def test_a_producer_killed_mid_put_is_an_info_line_not_an_error(server, client, caplog):
+    """Issue 29: a client that disconnected mid-put left an ERROR "internal error" traceback
+    in the server's log. It is no failure of the server: one INFO line, and the batch the
+    server received is stored all the same."""
+    import logging
+
+    _create(client)
+    caplog.set_level(logging.INFO, logger="expstore")
+    for attempt in range(3):  # the kill lands at various points of the put
+        proc = subprocess.run([sys.executable, "-c", PUTTER_PROCESS, server.location, TABLE],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.stdout.strip() == "sent", proc.stderr[-2000:]
+    wait_until(lambda: any("the client went away" in r.getMessage()
+                           for r in caplog.records), timeout=30,
+               message="the server noting the producer that went away")
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not errors, [(r.levelname, r.getMessage()[:200]) for r in errors]
+    gone = [r for r in caplog.records if "the client went away" in r.getMessage()]
+    assert all(r.levelno == logging.INFO and not r.exc_info for r in gone)
+    wait_until(lambda: _stats(client)["rows"] == 20000, timeout=60,
+               message="the received batch stored")
