@@ -373,6 +373,12 @@ def test_stats_watch_is_bounded_by_count(seeded):
 def test_leases(seeded):
     with seeded.open() as s:
         claim = s.claim("solver", 5, consumer="trainer-7", lease_seconds=600)
+    if seeded.name == "embedded":
+        # Leases live in the process holding the store: the one above closed it, and opening
+        # the file again voids every lease (store/recovery.py).
+        assert as_json(seeded.run("leases", "--json")) == []
+        assert "no active leases" in ok(seeded.run("leases")).output
+        return
     current = as_json(seeded.run("leases", "--json"))
     assert [(c["claim_id"], c["consumer"], c["rows"]) for c in current] == \
         [(claim.claim_id, "trainer-7", {"solver": 5})]
