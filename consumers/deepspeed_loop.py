@@ -44,7 +44,8 @@ from consumers.acks import PendingAcks
 from consumers.torch_collate import TorchBatch, collate
 from producers.rollout.weights import prune_published, publish_state_dict
 
-__all__ = ["MicroBatchLike", "LossFn", "StepReport", "DeepSpeedTrainLoop", "deepspeed_config"]
+__all__ = ["MicroBatchLike", "LossFn", "StepReport", "DeepSpeedTrainLoop", "deepspeed_config",
+           "check_gradient_dtypes"]
 
 
 class MicroBatchLike(Protocol):
@@ -116,6 +117,43 @@ def deepspeed_config(
     return cfg
 
 
+def check_gradient_dtypes(module: torch.nn.Module, supported: Iterable[torch.dtype],
+                          device: str) -> None:
+    """Refuse, before any training, a model whose gradients DeepSpeed cannot reduce.
+
+    DeepSpeed finds out only when it first reduces gradients, at the end of the first global
+    batch, with an assertion that names neither the model nor what to do ("attempting to
+    reduce an unsupported grad type: torch.float64").
+
+    >>> check_gradient_dtypes(torch.nn.Linear(2, 2).double(), [torch.float32], "cpu")
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    TypeError: the model's parameters are torch.float64 (e.g. 'weight'), but DeepSpeed on cpu ...
+
+    Raises:
+        TypeError: a trainable parameter's dtype is not in ``supported``.
+    """
+    allowed = list(supported)
+    bad = [(name, p.dtype) for name, p in module.named_parameters()
+           if p.requires_grad and p.dtype not in allowed]
+    if bad:
+        dtypes = ", ".join(sorted({str(dtype) for _, dtype in bad}))
+        raise TypeError(f"the model's parameters are {dtypes} (e.g. {bad[0][0]!r}), but DeepSpeed "
+                        f"on {device} reduces gradients of {', '.join(map(str, allowed))} only: "
+                        "convert the model before deepspeed.initialize, e.g. model.float()")
+
+
+def _check_engine_dtypes(engine: Any) -> None:
+    """:func:`check_gradient_dtypes` against the accelerator DeepSpeed picked."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        return  # not a DeepSpeed engine: the caller's engine decides what it reduces
+    accelerator = get_accelerator()
+    check_gradient_dtypes(engine.module, accelerator.supported_dtypes(),
+                          accelerator.device_name())
+
+
 class DeepSpeedTrainLoop:
     """Drive a DeepSpeed engine from a micro-batch subscription.
 
@@ -129,6 +167,10 @@ class DeepSpeedTrainLoop:
         name: prefix of published files (the agent's name in a multi-agent run).
         keep_last: prune older published files, keeping this many (None keeps all).
         ack_at_step: ack micro-batches after the optimizer step instead of after their backward.
+
+    Raises:
+        TypeError: the engine's model has parameters of a dtype DeepSpeed cannot reduce on its
+            accelerator (float64 anywhere; see :func:`check_gradient_dtypes`).
     """
 
     def __init__(
@@ -151,6 +193,7 @@ class DeepSpeedTrainLoop:
         self.keep_last = keep_last
         self.ack_at_step = ack_at_step
         self.step = 0
+        _check_engine_dtypes(engine)
         self._acks = PendingAcks()
         self._managed = bool(engine.managed_gradient_accumulation()) if hasattr(engine, "managed_gradient_accumulation") else True
         self.accumulator = GradientAccumulator(

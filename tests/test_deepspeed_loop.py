@@ -265,3 +265,15 @@ def test_loop_on_a_real_store_subscription(tmp_path, via: str) -> None:
         assert reports[0].micro_batches == 2 and reports[0].count == collate(t).num_loss_tokens
         assert load_state_dict(reports[0].weights_uri).keys() == engine.module.state_dict().keys()
         assert s.stats("solver")["solver"]["consumed"] == 8
+
+
+def test_a_float64_model_is_refused_before_training_naming_the_cause(tmp_path) -> None:
+    """DeepSpeed itself fails only at the end of the first global batch, with an assertion
+    naming neither the model nor the fix; the loop refuses the engine when it is made."""
+    from consumers.deepspeed_loop import DeepSpeedTrainLoop, deepspeed_config
+
+    model = build_tiny_lm(seed=5).double()
+    cfg = deepspeed_config(micro_batch_size=4, global_batch_size=8)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model.parameters()), config=cfg)
+    with pytest.raises(TypeError, match=r"parameters are torch\.float64 .* model\.float\(\)"):
+        DeepSpeedTrainLoop(engine, lambda eng, b: grpo_loss(eng, b), tmp_path / "weights")
