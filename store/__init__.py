@@ -26,8 +26,9 @@ def connect(uri: str, **options: Any) -> Store:
     if not isinstance(uri, str) or not uri:
         raise InvalidArgument(f"store uri {uri!r} is not a path or grpc:// address")
     if uri.startswith(REMOTE_SCHEMES):
-        from flight_server.client import RemoteStore
-        return RemoteStore(uri, **options)
+        # a cluster's coordinator answers with a ClusterStore (flight_server/cluster/client.py)
+        from flight_server.cluster.client import connect_remote
+        return connect_remote(uri, **options)
     if "://" in uri:
         raise InvalidArgument(f"store uri {uri!r} has an unknown scheme; expected a file path or "
                               f"one of {', '.join(REMOTE_SCHEMES)}")

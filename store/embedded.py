@@ -89,6 +89,8 @@ class EmbeddedStore:
         self._row_updates: dict[str, dict[int, LeaseUpdate]] = {}
         self._recent_acked: OrderedDict[str, int] = OrderedDict()
         self._recent_expired: OrderedDict[str, str] = OrderedDict()
+        # claims being ended by dead_letter(): their rows settle as dead, not ready
+        self._dead_lettering: set[str] = set()
         self._query_slots = threading.BoundedSemaphore(max_concurrent_queries)
         # One reader cursor per thread, kept here (not in thread-locals) so that close() can
         # drop every one of them, also those of threads that live on (gRPC's pool).
@@ -545,6 +547,22 @@ class EmbeddedStore:
         """Give a claim's rows back: ready again (delivery count kept), or dead past the max."""
         return self._settle(claim_id, ack=False)
 
+    def dead_letter(self, claim_id: str) -> dict[str, Any]:
+        """End a claim with every row dead-lettered: kept for SQL, never delivered again.
+
+        For rows whose values are gone (a cluster's data node lost without a replica): the
+        caller claims exactly those rows, records why, and ends the claim here; durable on
+        return (see flight_server/coordinator.py).
+        """
+        with self._lock:
+            self._dead_lettering.add(claim_id)
+        try:
+            answer = self._settle(claim_id, ack=False)
+        finally:
+            with self._lock:
+                self._dead_lettering.discard(claim_id)
+        return {"claim_id": claim_id, "dead": answer["nacked"]}
+
     def ack_async(self, claim_id: str) -> Future:
         """:meth:`ack` without waiting: the Future resolves to ack's answer once it is durable.
 
@@ -626,6 +644,8 @@ class EmbeddedStore:
         for live, row in lease.rows:
             if ack:
                 outcome = "consumed"
+            elif lease.claim_id in self._dead_lettering:
+                outcome = "dead"
             elif row.version < self._versions.get(live.tdef.version_group, 0) \
                     - live.tdef.max_staleness:
                 outcome = "stale"

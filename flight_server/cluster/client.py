@@ -1,0 +1,369 @@
+"""The client of a cluster: the :class:`RemoteStore` interface over a coordinator and its data nodes.
+
+``store.connect("grpc://coordinator:8815")`` returns a :class:`ClusterStore` when the server is a
+coordinator (its ``health`` answer has ``cluster``). A put sends the values of data-node columns
+to a data node, its own machine's where there is one (else any), and only the location keys and
+simple columns to the coordinator. A claim or a micro-batch arrives with location keys; the
+client fetches the values from the data nodes that hold them, in parallel, its own node's
+replica first, and hands the rows on with the values in place: the same Arrow tables (and torch
+tensors) as from a single server.
+
+If a data node cannot be reached, the claim is given back (nacked) and the node reported to the
+coordinator, which dead-letters the rows whose values nobody else holds; the client claims again.
+Rows are never handed on with some values missing.
+
+>>> s = store.connect("grpc://127.0.0.1:8815")          # doctest: +SKIP
+>>> s.put("solver", {"sample_id": ["q_0_0"], "response": ["..."]})   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.flight as flight
+
+from store.claims import Claim, ClaimRequest
+from store.errors import ExpstoreError, InvalidArgument, Unavailable
+from store.types import one_array, parse_type
+
+from ..client import RemoteStore, _claim_from_results, _request_json
+from ..errors import from_flight
+from ..subscriber import RemoteSubscription
+from .locations import parse_key, row_keys
+
+#: how long the list of data nodes is trusted before it is asked for again
+DIRECTORY_SECONDS = 5.0
+#: claims retried after values were found missing (each retry follows a nack and a report)
+LOST_RETRIES = 5
+
+
+class LostValues(Unavailable):
+    """Values of a claim could not be fetched from any node holding them."""
+
+    def __init__(self, nodes: set[str], message: str) -> None:
+        super().__init__(message)
+        self.nodes = nodes
+
+
+def local_placement() -> str | None:
+    """Where this process runs, to prefer that machine's data node: ``EXPSTORE_PLACEMENT``, else
+    the Ray node id when this process is a connected Ray driver or worker, else None."""
+    env = os.environ.get("EXPSTORE_PLACEMENT")
+    if env:
+        return env
+    ray = sys.modules.get("ray")          # never imported here: only if the caller uses Ray
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+        return str(ray.get_runtime_context().get_node_id())
+    return None
+
+
+def connect_remote(uri: str, **options: Any) -> RemoteStore:
+    """A :class:`RemoteStore`, or a :class:`ClusterStore` when ``uri`` is a coordinator."""
+    cluster_options = {k: options.pop(k) for k in ("replicas", "placement", "fetch_threads")
+                       if k in options}
+    remote = RemoteStore(uri, **options)
+    try:
+        is_coordinator = "cluster" in remote.health()
+    except ExpstoreError:
+        return remote                      # (auth and the like: its own calls will say)
+    if not is_coordinator:
+        if cluster_options:
+            remote.close()
+            raise InvalidArgument(f"{uri} is not a cluster coordinator; options "
+                                  f"{sorted(cluster_options)} need one")
+        return remote
+    remote.close()
+    return ClusterStore(uri, **cluster_options, **options)
+
+
+class ClusterStore(RemoteStore):
+    """A store over a coordinator and its data nodes (see the module docstring).
+
+    Args:
+        uri: the coordinator.
+        replicas: 1, or 2 to have each value on a second data node before the put returns.
+        placement: this process's machine (default :func:`local_placement`).
+        fetch_threads: how many value fetches run at once.
+        **options: as for :class:`RemoteStore` (sessions default to off: puts and claims are
+            then calls the coordinator counts, see ``cluster`` in docs/protocol.md).
+    """
+
+    def __init__(self, uri: str, *, replicas: int = 1, placement: str | None = None,
+                 fetch_threads: int = 8, **options: Any) -> None:
+        if replicas not in (1, 2) or isinstance(replicas, bool):
+            raise InvalidArgument(f"replicas {replicas!r} is invalid; expected 1 or 2")
+        options.setdefault("sessions", False)
+        super().__init__(uri, **options)
+        self.replicas = replicas
+        self.placement = placement if placement is not None else local_placement()
+        self._directory: dict[str, Any] = {}
+        self._directory_at = 0.0
+        self._directory_lock = threading.Lock()
+        self._node_clients: dict[str, flight.FlightClient] = {}
+        self._pool = ThreadPoolExecutor(max_workers=fetch_threads,
+                                        thread_name_prefix="expstore-fetch")
+        self._rng = random.Random()
+        #: what this client fetched: calls, calls served by its own node, bytes
+        self.fetch_stats = {"fetches": 0, "local_fetches": 0, "bytes": 0, "parallel": 0}
+
+    # -- the directory --------------------------------------------------------------------------
+    def cluster(self, refresh: bool = False) -> dict[str, Any]:
+        """The coordinator's ``cluster`` answer (nodes, data-node columns, byte counters)."""
+        with self._directory_lock:
+            if refresh or time.monotonic() - self._directory_at > DIRECTORY_SECONDS:
+                self._directory = self._json("cluster")
+                self._directory_at = time.monotonic()
+            return self._directory
+
+    def _remote_columns(self, table: str) -> dict[str, str]:
+        columns = self.cluster()["tables"].get(table)
+        if columns is None:
+            columns = self.cluster(refresh=True)["tables"].get(table, {})
+        return columns
+
+    def _nodes(self) -> dict[str, dict[str, Any]]:
+        return {n["node_id"]: n for n in self.cluster()["nodes"]}
+
+    def _node_client(self, location: str) -> flight.FlightClient:
+        with self._directory_lock:
+            client = self._node_clients.get(location)
+            if client is None:
+                client = self._node_clients[location] = flight.FlightClient(location)
+            return client
+
+    def home_node(self, exclude: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
+        """The data node this process writes to: its own machine's, else any live one."""
+        alive = [n for n in self.cluster()["nodes"] if n["alive"] and n["node_id"] not in exclude]
+        if not alive:
+            alive = [n for n in self.cluster(refresh=True)["nodes"]
+                     if n["alive"] and n["node_id"] not in exclude]
+        if not alive:
+            raise Unavailable("no live data node is registered with the coordinator at "
+                              f"{self.uri}")
+        local = [n for n in alive if self.placement and n["placement"] == self.placement]
+        return local[0] if local else self._rng.choice(alive)
+
+    # -- writes ----------------------------------------------------------------------------------
+    def put(self, table: str, data: Any, *, timeout: float | None = -1.0) -> dict[str, Any]:
+        arrow = self._with_locations(table, self._arrow(table, data))
+        return super().put(table, arrow, timeout=timeout)
+
+    def put_async(self, table: str, data: Any) -> Future:
+        done: Future = Future()
+        try:
+            done.set_result(self.put(table, data))
+        except ExpstoreError as e:
+            done.set_exception(e)
+        return done
+
+    def _with_locations(self, table: str, arrow: pa.Table) -> pa.Table:
+        """Put the values of data-node columns on a data node; the table with their keys."""
+        remote = self._remote_columns(table)
+        columns = [c for c in arrow.column_names if c in remote]
+        if not columns or arrow.num_rows == 0:
+            return arrow
+        values = pa.table({c: one_array(arrow.column(c)).cast(parse_type(remote[c]))
+                           for c in columns})
+        tried: set[str] = set()
+        while True:
+            node = self.home_node(exclude=tried)
+            try:
+                chunks = self._put_values(node["location"], values)
+                break
+            except (flight.FlightUnavailableError, flight.FlightTimedOutError):
+                tried.add(node["node_id"])   # gone meanwhile: the next one (the coordinator
+                self.cluster(refresh=True)   # learns it from the missing heartbeats)
+        for c in columns:
+            keys = row_keys(chunks[c], arrow.num_rows)
+            keys = pc.if_else(pc.is_valid(values.column(c)), keys,
+                              pa.scalar(None, pa.large_string()))
+            arrow = arrow.set_column(arrow.schema.get_field_index(c), c, keys)
+        return arrow
+
+    def _put_values(self, location: str, values: pa.Table) -> dict[str, str]:
+        descriptor = flight.FlightDescriptor.for_command(
+            json.dumps({"put": {"replicas": self.replicas}}).encode())
+        client = self._node_client(location)
+        writer, answers = client.do_put(descriptor, values.schema, self._options())
+        try:
+            writer.write_table(values, max_chunksize=max(1, values.num_rows))
+            writer.done_writing()
+            answer = json.loads(answers.read().to_pybytes())
+        except flight.FlightServerError as e:
+            raise from_flight(e) from None
+        finally:
+            writer.close()
+        return answer["chunks"]
+
+    # -- claims ------------------------------------------------------------------------------------
+    def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
+                   lease_seconds: float | None = None) -> Claim:
+        body: dict[str, Any] = {"requests": [_request_json(r) for r in requests]}
+        if consumer is not None:
+            body["consumer"] = consumer
+        if lease_seconds is not None:
+            body["lease_seconds"] = lease_seconds
+        for _ in range(LOST_RETRIES):
+            results = self._action("claim_many", body)
+            claim = _claim_from_results(results)
+            if not claim.claim_id:
+                return claim
+            try:
+                tables = {t: self.resolve(t, data) for t, data in claim.tables.items()}
+            except LostValues as e:
+                self._give_back(claim.claim_id, e.nodes)
+                continue
+            return dataclasses.replace(claim, tables=tables)
+        raise Unavailable(f"claims kept finding values on unreachable data nodes after "
+                          f"{LOST_RETRIES} tries; see the coordinator's log")
+
+    def _give_back(self, claim_id: str, nodes: set[str]) -> None:
+        """Nack a claim whose values could not all be fetched, then report the nodes (the
+        coordinator dead-letters the rows only their lost nodes held, now ready again)."""
+        try:
+            self.nack(claim_id)
+        except ExpstoreError:
+            pass                                   # expired meanwhile: ready again anyway
+        for node in sorted(nodes):
+            self._json("report_lost", {"node_id": node})
+        self.cluster(refresh=True)
+
+    def subscribe(self, table: str, micro_batch_size: int, global_batch_size: int,
+                  **options: Any) -> "ClusterSubscription":
+        return ClusterSubscription(self, table, micro_batch_size, global_batch_size, **options)
+
+    # -- fetching values ----------------------------------------------------------------------------
+    def resolve(self, table: str, data: pa.Table) -> pa.Table:
+        """``data`` with the location keys of data-node columns replaced by their values,
+        fetched in parallel, each from a holder on this machine where there is one.
+
+        Raises:
+            LostValues: some value is on no reachable node (nothing is returned half).
+        """
+        remote = self._remote_columns(table)
+        columns = [c for c in data.column_names if c in remote]
+        if not columns or data.num_rows == 0:
+            return data
+        nodes = self._nodes()
+        plans = {c: self._plan(one_array(data.column(c)), nodes) for c in columns}
+        work = [(c, node, keys) for c, plan in plans.items() for node, (keys, _) in plan.items()]
+        self.fetch_stats["parallel"] = max(self.fetch_stats["parallel"], len(work))
+        futures = {(c, node): self._pool.submit(self._fetch, nodes[node], keys, remote[c])
+                   for c, node, keys in work}
+        failed: set[str] = set()
+        fetched: dict[tuple[str, str], pa.Array] = {}
+        for key, future in futures.items():
+            try:
+                fetched[key] = future.result()
+            except (flight.FlightUnavailableError, flight.FlightTimedOutError, OSError):
+                failed.add(key[1])
+        if failed:
+            raise LostValues(failed, f"data node(s) {sorted(failed)} did not answer")
+        for c, plan in plans.items():
+            value_type = parse_type(remote[c])
+            pieces, positions = [], []
+            for node, (_, at) in plan.items():
+                pieces.append(fetched[(c, node)].cast(value_type))
+                positions.append(at)
+            values = _scatter(pieces, positions, data.num_rows, value_type)
+            data = data.set_column(data.schema.get_field_index(c),
+                                   pa.field(c, value_type), values)
+        return data
+
+    def _plan(self, keys: pa.Array, nodes: dict[str, dict[str, Any]]
+              ) -> dict[str, tuple[list[str], np.ndarray]]:
+        """Which node serves each key: node → (its local blob keys, the rows' positions)."""
+        chunk_of = pc.replace_substring_regex(keys, r"/[0-9]+$", "")
+        row_of = pc.replace_substring_regex(keys, r"^.*/", "")
+        encoded = pc.dictionary_encode(chunk_of).combine_chunks() \
+            if isinstance(chunk_of, pa.ChunkedArray) else pc.dictionary_encode(chunk_of)
+        indices = encoded.indices.to_numpy(zero_copy_only=False)
+        valid = np.asarray(pc.is_valid(keys).to_numpy(zero_copy_only=False), dtype=bool)
+        rows = row_of.to_pylist()
+        plan: dict[str, tuple[list[str], list[int]]] = {}
+        for code, location in enumerate(encoded.dictionary.to_pylist()):
+            holders = parse_key(f"{location}/0")[0]
+            holder = self._pick(holders, nodes)
+            entry = plan.setdefault(holder.node, ([], []))
+            for pos in np.nonzero((indices == code) & valid)[0]:
+                entry[0].append(f"{holder.chunk}:{rows[pos]}")
+                entry[1].append(int(pos))
+        return {n: (k, np.asarray(p, dtype=np.int64)) for n, (k, p) in plan.items()}
+
+    def _pick(self, holders: tuple, nodes: dict[str, dict[str, Any]]) -> Any:
+        """A live holder, this machine's first; a lost or unknown one only if none is live."""
+        live = [h for h in holders if h.node in nodes and nodes[h.node]["alive"]]
+        if not live:
+            raise LostValues({h.node for h in holders},
+                             f"no live data node holds values on {[h.node for h in holders]}")
+        local = [h for h in live if self.placement
+                 and nodes[h.node].get("placement") == self.placement]
+        return (local or live)[0]
+
+    def _fetch(self, node: dict[str, Any], keys: list[str], value_type: str) -> pa.Array:
+        ticket = flight.Ticket(json.dumps({"get": {"keys": keys, "type": value_type}}).encode())
+        table = self._node_client(node["location"]).do_get(ticket, self._options()).read_all()
+        self.fetch_stats["fetches"] += 1
+        self.fetch_stats["bytes"] += table.nbytes
+        if self.placement and node.get("placement") == self.placement:
+            self.fetch_stats["local_fetches"] += 1
+        return one_array(table.column("value"))
+
+    def close(self) -> None:
+        super().close()
+        self._pool.shutdown(wait=False)
+        with self._directory_lock:
+            for client in self._node_clients.values():
+                client.close()
+            self._node_clients.clear()
+
+
+class ClusterSubscription(RemoteSubscription):
+    """A subscription whose micro-batches arrive with their values fetched from the data nodes.
+
+    A micro-batch whose values cannot all be fetched is nacked (its slot is free again) and its
+    nodes reported; the next micro-batch pushed is returned instead."""
+
+    def __init__(self, remote: ClusterStore, table: str, micro_batch_size: int,
+                 global_batch_size: int, **options: Any) -> None:
+        self._cluster = remote
+        super().__init__(remote, table, micro_batch_size, global_batch_size, **options)
+
+    def next(self, timeout: float | None = None) -> Any:
+        for _ in range(LOST_RETRIES):
+            batch = super().next(timeout)
+            if batch is None:
+                return None
+            try:
+                return dataclasses.replace(batch, data=self._cluster.resolve(batch.table,
+                                                                             batch.data))
+            except LostValues as e:
+                batch.nack()
+                for node in sorted(e.nodes):
+                    self._cluster._json("report_lost", {"node_id": node})
+                self._cluster.cluster(refresh=True)
+        raise Unavailable(f"micro-batches kept finding values on unreachable data nodes after "
+                          f"{LOST_RETRIES} tries")
+
+
+def _scatter(pieces: list[pa.Array], positions: list[np.ndarray], n: int,
+             value_type: pa.DataType) -> pa.Array:
+    """Values fetched per node, put back in row order; null where a row had no key."""
+    if not pieces:
+        return pa.nulls(n, value_type)
+    values = pa.concat_arrays(pieces)
+    order = np.full(n, -1, dtype=np.int64)
+    order[np.concatenate(positions)] = np.arange(len(values), dtype=np.int64)
+    mask = order < 0
+    take = pa.array(order, mask=mask) if mask.any() else pa.array(order)
+    return values.take(take)

@@ -1,0 +1,361 @@
+"""The coordinator: today's Flight server over the embedded store, plus a registry of data nodes.
+
+It holds every table's meta, status and simple columns, claims, leases and versions, durable on
+its DuckDB file, as a single server does. A column declared ``storage: "ref"`` lives on the data
+nodes: the coordinator's table keeps a by-value string column of location keys in its place
+(see :mod:`flight_server.cluster.locations`), and the declared type in ``<db>.cluster.json``.
+The coordinator never receives or sends those values; ``cluster`` reports the bytes of Arrow data
+it took in puts and gave out in claims, which tests compare with the values' size.
+
+Data nodes register (``register_node``) and repeat it as a heartbeat. A node silent for
+``node_timeout`` seconds, or reported by a client that could not reach it (``report_lost``), is
+probed; if it does not answer it is *lost*: live rows with a value that no other live node holds
+are dead-lettered, with the reason kept in ``<db>.deadletters.jsonl`` (``dead_letters``). A lost
+node that registers again serves again (its disk came back); rows already dead-lettered stay so.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.flight as flight
+
+from store.errors import InvalidArgument, NotFound
+from store.types import is_complex, parse_type, type_name
+
+from ..actions import check_fields, parse_body
+from ..errors import flight_errors, to_flight
+from ..server import ExpstoreFlightServer
+from .locations import check_node_id, lost_predicate, parse_key
+
+log = logging.getLogger(__name__)
+
+#: the consumer name of the coordinator's own claims of rows whose values were lost
+SWEEPER = "expstore-coordinator:lost-values"
+PROBE_TIMEOUT = 2.0
+
+
+class ClusterRegistry:
+    """Data nodes and the data-node columns of each table, kept in a JSON file beside the DB.
+
+    The file is replaced atomically (write, fsync, rename) on every change; changes are rare
+    (a table created or dropped, a node seen for the first time or lost)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        self.tables: dict[str, dict[str, str]] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.lost: set[str] = set()
+        if os.path.exists(path):
+            with open(path) as f:
+                doc = json.load(f)
+            self.tables = doc.get("tables", {})
+            now = time.monotonic()
+            for node_id, node in doc.get("nodes", {}).items():
+                # known from before a restart: alive until it misses its heartbeats
+                self.nodes[node_id] = {**node, "last_seen": now}
+            self.lost = set(doc.get("lost", []))
+
+    def save(self) -> None:
+        doc = {"tables": self.tables, "lost": sorted(self.lost),
+               "nodes": {k: {"location": v["location"], "placement": v.get("placement")}
+                         for k, v in self.nodes.items()}}
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def node_list(self) -> list[dict[str, Any]]:
+        return [{"node_id": k, "location": v["location"], "placement": v.get("placement"),
+                 "alive": k not in self.lost} for k, v in sorted(self.nodes.items())]
+
+
+class CoordinatorServer(ExpstoreFlightServer):
+    """An expstore Flight server that is the coordinator of a cluster of data nodes.
+
+    Args:
+        db: the DuckDB file (or an open store), as for :class:`ExpstoreFlightServer`.
+        node_timeout: seconds without a heartbeat after which a data node is probed, and
+            declared lost if the probe fails.
+        **options: passed to :class:`ExpstoreFlightServer`.
+    """
+
+    def __init__(self, db: Any, *, node_timeout: float = 6.0, **options: Any) -> None:
+        super().__init__(db, **options)
+        self.registry = ClusterRegistry(f"{self.store.path}.cluster.json")
+        self.node_timeout = node_timeout
+        self.cluster_counters = {"put_bytes": 0, "claim_bytes": 0, "dead_lettered": 0}
+        self._dead_path = f"{self.store.path}.deadletters.jsonl"
+        self._sweep_lock = threading.Lock()
+        self._monitor_stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch_nodes, name="expstore-node-monitor",
+                                         daemon=True)
+        self._monitor.start()
+
+    # -- the actions a coordinator adds or changes ----------------------------------------------
+    def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
+        return super().list_actions(context) + [
+            (name, f"[{role}] {text}") for name, (role, text) in _CLUSTER_ACTIONS.items()]
+
+    def do_action(self, context: flight.ServerCallContext,
+                  action: flight.Action) -> Iterator[bytes]:
+        name = action.type
+        if name in _CLUSTER_ACTIONS:
+            self._principal(context, _CLUSTER_ACTIONS[name][0], name)
+            with flight_errors(), self.metrics.timed(name):
+                body = parse_body(action.body.to_pybytes() if action.body else b"", name)
+                answer = getattr(self, f"_action_{name}")(body)
+            yield json.dumps(answer, default=str).encode()
+            return
+        if name == "create_table":
+            with flight_errors():
+                action = self._create_table(action)
+        parts = list(super().do_action(context, action))
+        if name in ("claim", "claim_many"):
+            parts = self._with_endpoints(parts)
+        elif name == "describe":
+            parts = [json.dumps(self._declared(json.loads(parts[0]))).encode()]
+        elif name == "drop_table":
+            self._forget_table(action)
+        elif name == "health":
+            answer = json.loads(parts[0])
+            with self.registry.lock:
+                answer["cluster"] = {"nodes": len(self.registry.nodes),
+                                     "lost": len(self.registry.lost)}
+            parts = [json.dumps(answer).encode()]
+        yield from parts
+
+    def _create_table(self, action: flight.Action) -> flight.Action:
+        """Columns declared ``storage: "ref"`` go to the data nodes: the coordinator's table
+        gets a string column of location keys in their place; the registry keeps the type."""
+        body = parse_body(action.body.to_pybytes() if action.body else b"", "create_table")
+        storage = body.get("storage") or {}
+        columns = body.get("columns")
+        if not isinstance(storage, dict) or not isinstance(columns, dict):
+            return action                  # the store refuses it with the usual message
+        remote: dict[str, str] = {}
+        for col, mode in storage.items():
+            if mode == "ref" and col in columns:
+                value_type = parse_type(columns[col])
+                if not is_complex(value_type):
+                    return action          # refused by the store, naming the column
+                remote[col] = type_name(value_type)
+        if not remote:
+            return action
+        name = body.get("name")
+        if not isinstance(name, str) or name in self.store.list_tables():
+            return action                  # if_not_exists or already_exists decides
+        with self.registry.lock:
+            # saved before the table exists: a table never has data-node columns unrecorded
+            self.registry.tables[name] = remote
+            self.registry.save()
+        body["columns"] = {c: ("string" if c in remote else t) for c, t in columns.items()}
+        body["storage"] = {c: ("value" if c in remote else m) for c, m in storage.items()}
+        return flight.Action("create_table", json.dumps(body).encode())
+
+    def _forget_table(self, action: flight.Action) -> None:
+        name = json.loads(action.body.to_pybytes() or b"{}").get("name")
+        with self.registry.lock:
+            if name in self.registry.tables and name not in self.store.list_tables():
+                del self.registry.tables[name]
+                self.registry.save()
+
+    def _declared(self, description: dict[str, Any]) -> dict[str, Any]:
+        """``describe`` with data-node columns shown as declared (type, ``storage: "ref"``)
+        and ``placement: "data_node"``."""
+        with self.registry.lock:
+            remote = self.registry.tables.get(description.get("name"), {})
+        for col in description.get("columns", []):
+            if col["name"] in remote:
+                col.update(type=remote[col["name"]], storage="ref", placement="data_node")
+        return description
+
+    def _with_endpoints(self, parts: list[bytes]) -> list[bytes]:
+        """Add to a claim's header the data nodes holding its values (``data_nodes``)."""
+        header = json.loads(parts[0])
+        nodes: set[str] = set()
+        with self.registry.lock:
+            tables = {t: dict(self.registry.tables.get(t, {})) for t in header["tables"]}
+        for (table, columns), body in zip(tables.items(), parts[1:]):
+            if not columns:
+                continue
+            data = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
+            for col in columns:
+                if col not in data.column_names:
+                    continue
+                chunks = pc.unique(pc.replace_substring_regex(
+                    data.column(col), r"/[0-9]+$", "")).to_pylist()
+                for location in chunks:
+                    if location:
+                        nodes.update(h.node for h in parse_key(f"{location}/0")[0])
+        self.cluster_counters["claim_bytes"] += sum(len(p) for p in parts[1:])
+        with self.registry.lock:
+            header["data_nodes"] = [
+                {"node_id": n, "locations": [self.registry.nodes[n]["location"]],
+                 "placement": self.registry.nodes[n].get("placement"),
+                 "alive": n not in self.registry.lost}
+                for n in sorted(nodes) if n in self.registry.nodes]
+        return [json.dumps(header).encode(), *parts[1:]]
+
+    def _queue_batch(self, answers: Any, index: int, table: str, data: pa.RecordBatch) -> None:
+        self.cluster_counters["put_bytes"] += data.nbytes
+        super()._queue_batch(answers, index, table, data)
+
+    # -- registry actions -------------------------------------------------------------------------
+    def _action_register_node(self, body: dict[str, Any]) -> dict[str, Any]:
+        check_fields(body, "register_node", ("node_id", "location"), ("placement",))
+        node_id = check_node_id(body["node_id"])
+        location = body["location"]
+        if not isinstance(location, str) or "://" not in location:
+            raise InvalidArgument(f"data node location {location!r} is invalid; expected "
+                                  "grpc://host:port")
+        with self.registry.lock:
+            known = self.registry.nodes.get(node_id)
+            changed = (known is None or known["location"] != location
+                       or known.get("placement") != body.get("placement")
+                       or node_id in self.registry.lost)
+            self.registry.nodes[node_id] = {"location": location,
+                                            "placement": body.get("placement"),
+                                            "last_seen": time.monotonic()}
+            if node_id in self.registry.lost:
+                log.info("data node %s is back", node_id)
+                self.registry.lost.discard(node_id)
+            if changed:
+                self.registry.save()
+            return {"node_id": node_id, "nodes": self.registry.node_list()}
+
+    def _action_cluster(self, body: dict[str, Any]) -> dict[str, Any]:
+        check_fields(body, "cluster", ())
+        with self.registry.lock:
+            return {"nodes": self.registry.node_list(),
+                    "tables": {t: dict(c) for t, c in self.registry.tables.items()},
+                    **self.cluster_counters}
+
+    def _action_report_lost(self, body: dict[str, Any]) -> dict[str, Any]:
+        check_fields(body, "report_lost", ("node_id",))
+        node_id = check_node_id(body["node_id"])
+        with self.registry.lock:
+            node = self.registry.nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"data node {node_id!r} is not registered; registered: "
+                           f"{sorted(self.registry.nodes)}")
+        alive = node_id not in self.registry.lost and self._probe(node["location"])
+        dead = 0
+        if not alive:
+            self._mark_lost(node_id)
+            dead = self.sweep()
+        return {"node_id": node_id, "alive": alive, "dead_lettered": dead}
+
+    def _action_dead_letters(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        table = check_fields(body, "dead_letters", (), ("table",)).get("table")
+        if not os.path.exists(self._dead_path):
+            return []
+        with open(self._dead_path) as f:
+            entries = [json.loads(line) for line in f if line.strip()]
+        return [e for e in entries if table is None or e["table"] == table]
+
+    # -- liveness and lost values -------------------------------------------------------------------
+    @staticmethod
+    def _probe(location: str) -> bool:
+        client = flight.FlightClient(location)
+        try:
+            list(client.do_action(flight.Action("health", b"{}"),
+                                  flight.FlightCallOptions(timeout=PROBE_TIMEOUT)))
+            return True
+        except flight.FlightError:
+            return False
+        finally:
+            client.close()
+
+    def _mark_lost(self, node_id: str) -> None:
+        with self.registry.lock:
+            if node_id in self.registry.lost:
+                return
+            log.warning("data node %s is lost", node_id)
+            self.registry.lost.add(node_id)
+            self.registry.save()
+
+    def _watch_nodes(self) -> None:
+        while not self._monitor_stop.wait(1.0):
+            now = time.monotonic()
+            with self.registry.lock:
+                silent = [(k, v["location"]) for k, v in self.registry.nodes.items()
+                          if k not in self.registry.lost
+                          and now - v["last_seen"] > self.node_timeout]
+            lost = [k for k, location in silent if not self._probe(location)]
+            for node_id in lost:
+                self._mark_lost(node_id)
+            if lost:
+                try:
+                    self.sweep()
+                except Exception:  # noqa: BLE001 - retried at the next loss or report
+                    log.exception("dead-lettering the rows of lost data nodes failed")
+
+    def sweep(self) -> int:
+        """Dead-letter the live, ready rows whose values no live data node holds; how many.
+
+        Rows leased meanwhile are swept when given back: a consumer that cannot fetch them
+        nacks its claim and reports the node (``report_lost``), which sweeps again."""
+        with self.registry.lock:
+            lost = sorted(self.registry.lost)
+            tables = {t: list(c) for t, c in self.registry.tables.items()}
+        if not lost:
+            return 0
+        total = 0
+        with self._sweep_lock:
+            for table, columns in tables.items():
+                if table not in self.store.list_tables():
+                    continue
+                where = " OR ".join(lost_predicate(c, lost) for c in columns)
+                while True:
+                    claim = self.store.claim(table, 4096, where=where, consumer=SWEEPER)
+                    if not claim.claim_id:
+                        break
+                    self._record_dead(table, claim.tables[table], columns, lost)
+                    total += self.store.dead_letter(claim.claim_id)["dead"]
+        self.cluster_counters["dead_lettered"] += total
+        return total
+
+    def _record_dead(self, table: str, rows: pa.Table, columns: list[str],
+                     lost: list[str]) -> None:
+        """Append why each row is dead-lettered, fsynced before the rows are marked dead."""
+        lines = []
+        for i, (sid, version) in enumerate(zip(rows.column("sample_id").to_pylist(),
+                                               rows.column("policy_version").to_pylist())):
+            gone = sorted({h.node for c in columns
+                           if (key := rows.column(c)[i].as_py()) is not None
+                           for h in parse_key(key)[0]} & set(lost))
+            lines.append(json.dumps({
+                "table": table, "sample_id": sid, "policy_version": version,
+                "reason": f"values lost: data node(s) {', '.join(gone)} lost and no other "
+                          "node held a replica", "at": time.time()}))
+        with open(self._dead_path, "a") as f:
+            f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        self._monitor_stop.set()
+        super().close()
+
+
+_CLUSTER_ACTIONS: dict[str, tuple[str, str]] = {
+    "register_node": ("writer", "A data node announces itself (repeated as a heartbeat). Body: "
+                                "{node_id, location, placement?}. Answer: {node_id, nodes}"),
+    "cluster": ("reader", "The data nodes and data-node columns. Body: {}. Answer: {nodes: "
+                          "[{node_id, location, placement, alive}], tables: {table: {col: type}}, "
+                          "put_bytes, claim_bytes, dead_lettered}"),
+    "report_lost": ("writer", "A client could not reach a data node: probe it, and if it is gone "
+                              "dead-letter rows whose values it alone held. Body: {node_id}"),
+    "dead_letters": ("reader", "Rows dead-lettered because their values were lost, with the "
+                               "reason. Body: {table?}"),
+}

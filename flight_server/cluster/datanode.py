@@ -1,0 +1,242 @@
+"""A data node: a small Flight server holding the by-reference values written on its machine.
+
+Values arrive in a ``do_put`` (one chunk per column of each batch, appended to this node's
+:class:`store.blobs.BlobStore` and fsynced before the answer), leave in a ``do_get`` of the rows a
+consumer claimed. With ``replicas: 2`` the node forwards each batch to a second data node and
+answers only once both hold it. The node registers with the coordinator, and again every
+``HEARTBEAT_SECONDS``: a restarted coordinator learns the nodes from their next heartbeat.
+
+>>> with DataNodeServer("/tmp/dn-doc", "dn-doc", port=0) as node:   # doctest: +SKIP
+...     print(node.location)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from store.blobs import BlobStore, serialize_chunk_buffer
+from store.errors import InvalidArgument, NotFound, Unavailable
+from store.types import one_array, parse_type
+
+from ..errors import flight_errors, from_flight, to_flight
+from .locations import Holder, check_node_id, chunk_location
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_SECONDS = 2.0
+#: how long a forward to a replica may take before the put fails (the producer retries)
+REPLICA_TIMEOUT = 30.0
+
+
+class DataNodeServer(flight.FlightServerBase):
+    """Serve one machine's by-reference values.
+
+    Args:
+        root: the directory of this node's blob segments (created if missing).
+        node_id: the node's name in location keys (letters, digits, ``_.-``).
+        host, port: where to listen (port 0: a free one).
+        coordinator: the coordinator's ``grpc://`` URI to register with (None: unregistered,
+            e.g. in tests of the node alone).
+        placement: where the node runs, e.g. its Ray node id; producers and consumers that run
+            there prefer this node.
+    """
+
+    def __init__(self, root: str, node_id: str, *, host: str = "127.0.0.1", port: int = 0,
+                 coordinator: str | None = None, placement: str | None = None) -> None:
+        self.node_id = check_node_id(node_id)
+        self.blobs = BlobStore(root)
+        self.host = host
+        self.placement = placement
+        self.coordinator = coordinator
+        self.counters = {"bytes_received": 0, "bytes_served": 0, "chunks_written": 0,
+                         "replica_puts": 0}
+        self._write_lock = threading.Lock()
+        self._peers: list[dict[str, Any]] = []
+        self._clients: dict[str, flight.FlightClient] = {}
+        self._clients_lock = threading.Lock()
+        self._forwarder = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dn-replica")
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        super().__init__(f"grpc://{host}:{port}")
+
+    @property
+    def location(self) -> str:
+        return f"grpc://{self.host}:{self.port}"
+
+    # -- registration ------------------------------------------------------------------------
+    def start_heartbeat(self) -> None:
+        """Register with the coordinator now and every HEARTBEAT_SECONDS (re-registration is
+        how a restarted coordinator learns this node again)."""
+        if self.coordinator is None or self._heartbeat is not None:
+            return
+        self._register_once()
+        self._heartbeat = threading.Thread(target=self._beat, name=f"dn-heartbeat-{self.node_id}",
+                                           daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            try:
+                self._register_once()
+            except Exception as e:  # noqa: BLE001 - the coordinator may be restarting
+                log.info("data node %s: coordinator not reachable (%s); retrying", self.node_id, e)
+
+    def _register_once(self) -> None:
+        assert self.coordinator is not None
+        body = {"node_id": self.node_id, "location": self.location,
+                "placement": self.placement}
+        client = self._client(self.coordinator)
+        try:
+            results = list(client.do_action(flight.Action("register_node",
+                                                          json.dumps(body).encode()),
+                                            flight.FlightCallOptions(timeout=10)))
+        except flight.FlightError as e:
+            raise from_flight(e) from None
+        answer = json.loads(results[0].body.to_pybytes())
+        self._peers = [n for n in answer["nodes"] if n["node_id"] != self.node_id and n["alive"]]
+
+    def _client(self, location: str) -> flight.FlightClient:
+        with self._clients_lock:
+            client = self._clients.get(location)
+            if client is None:
+                client = self._clients[location] = flight.FlightClient(location)
+            return client
+
+    # -- writes --------------------------------------------------------------------------------
+    def do_put(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
+               reader: flight.MetadataRecordBatchReader,
+               writer: flight.FlightMetadataWriter) -> None:
+        with flight_errors():
+            replicas = _put_command(descriptor)
+            index = 0
+            for chunk in reader:
+                batch = chunk.data
+                if batch is None or batch.num_rows == 0:
+                    continue
+                chunks = self._store_batch(batch, replicas)
+                writer.write(pa.py_buffer(json.dumps(
+                    {"batch": index, "rows": batch.num_rows, "chunks": chunks}).encode()))
+                index += 1
+
+    def _store_batch(self, batch: pa.RecordBatch, replicas: int) -> dict[str, str]:
+        """Write a batch's columns here (and on a peer for replicas=2); durable on return."""
+        forward = self._forwarder.submit(self._forward, batch) if replicas == 2 else None
+        serialised = [serialize_chunk_buffer(one_array(col)) for col in batch.columns]
+        with self._write_lock:
+            try:
+                prefixes = [self.blobs.append(c) for c in serialised]
+                self.blobs.sync()
+            except BaseException:
+                self.blobs.rollback()
+                raise
+            self.counters["bytes_received"] += sum(len(c) for c in serialised)
+            self.counters["chunks_written"] += len(serialised)
+        holders = [[Holder(self.node_id, p)] for p in prefixes]
+        if forward is not None:
+            peer_id, peer_chunks = forward.result()
+            for i, name in enumerate(batch.schema.names):
+                holders[i].append(Holder(peer_id, peer_chunks[name].split("@", 1)[1]))
+        return {name: chunk_location(h) for name, h in zip(batch.schema.names, holders)}
+
+    def _forward(self, batch: pa.RecordBatch) -> tuple[str, dict[str, str]]:
+        """Put ``batch`` on another live data node (replicas=1 there); its node id and chunks."""
+        if not self._peers and self.coordinator is not None:
+            self._register_once()       # the peers we knew may be stale: ask again
+        errors = []
+        for peer in _ring_after(self.node_id, self._peers):
+            try:
+                descriptor = flight.FlightDescriptor.for_command(
+                    json.dumps({"put": {"replicas": 1}}).encode())
+                client = self._client(peer["location"])
+                w, answers = client.do_put(descriptor, batch.schema,
+                                           flight.FlightCallOptions(timeout=REPLICA_TIMEOUT))
+                w.write_batch(batch)
+                w.done_writing()
+                answer = json.loads(answers.read().to_pybytes())
+                w.close()
+                self.counters["replica_puts"] += 1
+                return peer["node_id"], answer["chunks"]
+            except flight.FlightError as e:
+                errors.append(f"{peer['node_id']}: {e}")
+        raise Unavailable(f"replicas=2 needs a second live data node; none took the values "
+                          f"({'; '.join(errors) or 'no other node is registered'})")
+
+    # -- reads ---------------------------------------------------------------------------------
+    def do_get(self, context: flight.ServerCallContext,
+               ticket: flight.Ticket) -> flight.RecordBatchStream:
+        with flight_errors():
+            keys, value_type = _get_ticket(ticket.ticket)
+            values = self.blobs.resolve(keys, value_type)
+            table = pa.table({"value": values})
+            self.counters["bytes_served"] += table.nbytes
+            return flight.RecordBatchStream(table)
+
+    # -- actions ---------------------------------------------------------------------------------
+    def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
+        return [("health", "The node's id, location and byte counters. Body: {}")]
+
+    def do_action(self, context: flight.ServerCallContext,
+                  action: flight.Action) -> Iterator[bytes]:
+        if action.type != "health":
+            raise to_flight(NotFound(f"unknown data node action {action.type!r}; actions: "
+                                     "['health']"))
+        yield json.dumps(self.health()).encode()
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "node_id": self.node_id, "location": self.location,
+                "placement": self.placement, "segments": len(self.blobs.segments()),
+                **self.counters}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._stop.set()
+        self.shutdown()
+        self._forwarder.shutdown(wait=False)
+        with self._clients_lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _ring_after(node_id: str, peers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Peers in ring order starting after ``node_id``: replicas spread over the nodes."""
+    ordered = sorted(peers, key=lambda n: n["node_id"])
+    later = [n for n in ordered if n["node_id"] > node_id]
+    return later + [n for n in ordered if n["node_id"] <= node_id]
+
+
+def _put_command(descriptor: flight.FlightDescriptor) -> int:
+    if descriptor.descriptor_type != flight.DescriptorType.CMD:
+        raise InvalidArgument("a data node's do_put expects FlightDescriptor.for_command("
+                              "'{\"put\": {\"replicas\": 1}}')")
+    try:
+        doc = json.loads(descriptor.command)
+        replicas = doc["put"].get("replicas", 1)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise InvalidArgument(f"data node put command {descriptor.command[:200]!r} is invalid "
+                              f"({e}); expected {{\"put\": {{\"replicas\": 1 or 2}}}}") from None
+    if replicas not in (1, 2) or isinstance(replicas, bool):
+        raise InvalidArgument(f"replicas {replicas!r} is invalid; expected 1 or 2")
+    return int(replicas)
+
+
+def _get_ticket(raw: bytes) -> tuple[list[str], pa.DataType]:
+    try:
+        doc = json.loads(raw)["get"]
+        keys, spelling = doc["keys"], doc["type"]
+    except (ValueError, TypeError, KeyError) as e:
+        raise InvalidArgument(f"data node ticket is invalid ({e}); expected "
+                              "{\"get\": {\"keys\": [\"segment:offset:length:row\", …], "
+                              "\"type\": \"<column type>\"}}") from None
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise InvalidArgument("data node ticket 'keys' must be a list of strings")
+    return keys, parse_type(spelling)
