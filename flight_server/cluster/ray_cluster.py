@@ -1,0 +1,185 @@
+"""Placing a coordinator and one data node per Ray node on an existing Ray cluster.
+
+Ray does the placing and restarting: the coordinator is an actor pinned to one node
+(``NodeAffinitySchedulingStrategy``, hard) with ``max_restarts=-1``, so Ray restarts it there,
+where its DuckDB file is, and it listens on the same port again; each data node is an actor
+pinned to its Ray node, with its blob segments on that node's disk. Ray is imported only when
+these functions run (``pip install 'expstore[cluster]'``).
+
+Ray 2.60 replaces ``node_ip_address="127.0.0.1"`` with the machine's external address unless
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set; :func:`import_ray` sets it before Ray starts.
+
+>>> handle = cluster_up(address="auto", db="/data/expstore.duckdb",
+...                     data_dir="/local/expstore-data")          # doctest: +SKIP
+>>> s = store.connect(handle.uri)                                  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from store.errors import InvalidArgument, Unavailable
+
+NAMESPACE = "expstore"
+COORDINATOR_NAME = "expstore-coordinator"
+DATANODE_PREFIX = "expstore-datanode-"
+
+
+def import_ray() -> Any:
+    """Ray, with the loopback-binding fix set first; a clear error where Ray is missing."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    try:
+        import ray
+    except ImportError as e:
+        raise InvalidArgument("expstore's cluster mode needs Ray: pip install "
+                              "'expstore[cluster]'") from e
+    return ray
+
+
+class CoordinatorActor:
+    """The coordinator's Ray actor: the server runs from construction until the process ends."""
+
+    def __init__(self, db: str, port: int, options: dict[str, Any]) -> None:
+        import ray
+
+        from .coordinator import CoordinatorServer
+        host = ray.util.get_node_ip_address()
+        self.server = CoordinatorServer(db, host=host, port=port, **options)
+
+    def location(self) -> str:
+        return str(self.server.location)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stop(self) -> None:
+        self.server.close()
+
+
+class DataNodeActor:
+    """A data node's Ray actor: serves and heartbeats until the process ends."""
+
+    def __init__(self, root: str, node_id: str, coordinator: str) -> None:
+        import ray
+
+        from .datanode import DataNodeServer
+        self.server = DataNodeServer(root, node_id, host=ray.util.get_node_ip_address(),
+                                     coordinator=coordinator,
+                                     placement=ray.get_runtime_context().get_node_id())
+        self.server.start_heartbeat()
+
+    def location(self) -> str:
+        return self.server.location
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def health(self) -> dict[str, Any]:
+        return self.server.health()
+
+    def stop(self) -> None:
+        self.server.close()
+
+
+@dataclass
+class ClusterHandle:
+    """What :func:`cluster_up` started: the coordinator's URI and the actors."""
+
+    uri: str
+    coordinator: Any
+    datanodes: dict[str, Any] = field(default_factory=dict)   # Ray node id → actor
+
+    def stop(self) -> None:
+        """Kill the actors (the DuckDB file and every node's segments stay on disk)."""
+        ray = import_ray()
+        for actor in [*self.datanodes.values(), self.coordinator]:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+def data_node_id(ray_node_id: str) -> str:
+    return f"dn-{ray_node_id[:12]}"
+
+
+def cluster_up(address: str | None = "auto", *, db: str = "expstore.duckdb", port: int = 8815,
+               data_dir: str = "expstore-data", node_timeout: float = 6.0,
+               detached: bool = False, ready_timeout: float = 120.0,
+               server_options: dict[str, Any] | None = None) -> ClusterHandle:
+    """Start a coordinator on this Ray node and a data node on every alive Ray node.
+
+    Args:
+        address: the Ray cluster (``"auto"``: the one running here); None: the Ray this
+            process already joined.
+        db: the coordinator's DuckDB file on this node (made absolute).
+        port: the coordinator's port; fixed, so that a restarted coordinator has the same URI.
+        data_dir: each data node keeps its segments under ``data_dir/<node id>`` on its node.
+        node_timeout: seconds without a heartbeat before a data node is probed (and lost).
+        detached: keep the actors after this process exits (``expstore cluster up``).
+        ready_timeout: seconds to wait for every data node to register.
+    """
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    here = ray.get_runtime_context().get_node_id()
+    lifetime = {"lifetime": "detached"} if detached else {}
+    options = {"node_timeout": node_timeout, **(server_options or {})}
+    coordinator = ray.remote(CoordinatorActor).options(
+        name=COORDINATOR_NAME, namespace=NAMESPACE, num_cpus=0, max_restarts=-1,
+        max_task_retries=-1,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+        **lifetime).remote(os.path.abspath(db), port, options)
+    uri = ray.get(coordinator.location.remote(), timeout=ready_timeout)
+    handle = ClusterHandle(uri, coordinator)
+    data_root = os.path.abspath(data_dir)
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        nid = node["NodeID"]
+        handle.datanodes[nid] = ray.remote(DataNodeActor).options(
+            name=f"{DATANODE_PREFIX}{nid[:12]}", namespace=NAMESPACE, num_cpus=0,
+            max_restarts=-1, max_task_retries=-1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
+            **lifetime).remote(os.path.join(data_root, data_node_id(nid)), data_node_id(nid),
+                               uri)
+    ray.get([a.location.remote() for a in handle.datanodes.values()], timeout=ready_timeout)
+    wait_registered(uri, len(handle.datanodes), ready_timeout)
+    return handle
+
+
+def wait_registered(uri: str, nodes: int, timeout: float) -> None:
+    """Wait until the coordinator at ``uri`` lists ``nodes`` live data nodes."""
+    from ..client import RemoteStore
+    deadline = time.monotonic() + timeout
+    with RemoteStore(uri, sessions=False, connect_timeout=timeout) as s:
+        while True:
+            live = [n for n in s._json("cluster")["nodes"] if n["alive"]]
+            if len(live) >= nodes:
+                return
+            if time.monotonic() > deadline:
+                raise Unavailable(f"{len(live)} of {nodes} data nodes registered with {uri} "
+                                  f"within {timeout} s")
+            time.sleep(0.2)
+
+
+def cluster_down(address: str | None = "auto") -> list[str]:
+    """Kill the named expstore actors of the Ray cluster; the names of those killed."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    killed = []
+    for info in ray.util.list_named_actors(all_namespaces=True):
+        name = info["name"] if isinstance(info, dict) else info
+        if info.get("namespace", NAMESPACE) != NAMESPACE if isinstance(info, dict) else False:
+            continue
+        if name == COORDINATOR_NAME or name.startswith(DATANODE_PREFIX):
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                killed.append(name)
+            except ValueError:
+                pass
+    return killed

@@ -1,0 +1,250 @@
+"""The cluster's data plane without Ray: a real coordinator and real data nodes, each a Flight
+server on a free loopback port in this process, over real DuckDB and blob files.
+
+The same servers on a Ray cluster of several nodes are tested in tests/test_cluster_ray.py.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+import store
+from flight_server.cluster.client import ClusterStore
+from flight_server.cluster.coordinator import CoordinatorServer
+from flight_server.cluster.datanode import DataNodeServer
+from flight_server.cluster.locations import parse_key, row_keys
+from store.errors import InvalidArgument
+
+from flight_fixtures import action_json, error_code
+from waiting import wait_until
+
+VALUE = 64 * 1024
+
+
+class Cluster:
+    def __init__(self, root: Path, nodes: int = 3, node_timeout: float = 1.0) -> None:
+        self.root = root
+        self.coordinator = CoordinatorServer(str(root / "coord.duckdb"), port=0,
+                                             node_timeout=node_timeout)
+        self.uri = self.coordinator.location
+        self.nodes = [self.start_node(i) for i in range(nodes)]
+
+    def start_node(self, i: int) -> DataNodeServer:
+        node = DataNodeServer(str(self.root / f"dn-{i}"), f"dn-{i}", coordinator=self.uri,
+                              placement=f"machine-{i}")
+        node.start_heartbeat()
+        return node
+
+    def received(self) -> list[int]:
+        return [n.counters["bytes_received"] for n in self.nodes]
+
+    def close(self) -> None:
+        for n in self.nodes:
+            n.close()
+        self.coordinator.close()
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+def client(c: Cluster, machine: int | None, **options: Any) -> ClusterStore:
+    s = store.connect(c.uri, placement=None if machine is None else f"machine-{machine}",
+                      **options)
+    assert isinstance(s, ClusterStore)
+    return s
+
+
+def make_table(s: Any, name: str = "t", **options: Any) -> None:
+    s.create_table(name, {"response": "string", "tokens": "list<int32>", "reward": "float64"},
+                   storage={"response": "ref", "tokens": "ref"}, **options)
+
+
+def rows(prefix: str, n: int, turn: int = 0) -> dict[str, list]:
+    return {"sample_id": [f"{prefix}{i}_{turn}_0" for i in range(n)],
+            "response": [f"{prefix}{i}:" + "r" * VALUE for i in range(n)],
+            "tokens": [[i, i + 1, i + 2] for i in range(n)],
+            "reward": [float(i) for i in range(n)]}
+
+
+def test_values_go_to_the_producers_node_and_only_keys_to_the_coordinator(cluster):
+    with client(cluster, 1) as producer, client(cluster, 2) as trainer:
+        make_table(producer)
+        producer.put("t", rows("a", 16))
+        assert cluster.received()[1] > 16 * VALUE
+        assert cluster.received()[0] == cluster.received()[2] == 0
+        # SQL on the coordinator sees the location keys, not the values
+        keys = producer.query("SELECT response FROM t").column(0).to_pylist()
+        assert all(parse_key(k)[0][0].node == "dn-1" for k in keys)
+
+        claim = trainer.claim("t", 16)
+        data = claim.tables["t"]
+        assert sorted(data.column("response").to_pylist()) == sorted(rows("a", 16)["response"])
+        assert data.schema.field("tokens").type == pa.large_list(pa.int32())
+        assert sorted(data.column("reward").to_pylist()) == [float(i) for i in range(16)]
+        assert trainer.fetch_stats["local_fetches"] == 0   # the trainer is on another machine
+        trainer.ack(claim.claim_id)
+        counted = trainer.cluster(refresh=True)
+        moved = 16 * VALUE
+        # the coordinator took in and gave out keys and simple columns only
+        assert 0 < counted["put_bytes"] < moved / 50
+        assert 0 < counted["claim_bytes"] < moved / 50
+
+
+def test_a_claim_answer_names_the_data_nodes_that_hold_its_values(cluster):
+    with client(cluster, 0) as p0, client(cluster, 2) as p2:
+        make_table(p0)
+        p0.put("t", rows("a", 2))
+        p2.put("t", rows("b", 2))
+    c = flight.FlightClient(cluster.uri)
+    results = [r.body.to_pybytes() for r in c.do_action(flight.Action(
+        "claim", json.dumps({"table": "t", "limit": 4}).encode()))]
+    header = json.loads(results[0])
+    assert {n["node_id"] for n in header["data_nodes"]} == {"dn-0", "dn-2"}
+    by_id = {n.node_id: n for n in cluster.nodes}
+    for n in header["data_nodes"]:
+        assert n["locations"] == [by_id[n["node_id"]].location] and n["alive"]
+    # a raw client fetches a value from the node named in its key
+    data = pa.ipc.open_stream(results[1]).read_all()
+    holders, row = parse_key(data.column("tokens")[0].as_py())
+    node = flight.FlightClient(by_id[holders[0].node].location)
+    ticket = {"get": {"keys": [f"{holders[0].chunk}:{row}"], "type": "list<int32>"}}
+    got = node.do_get(flight.Ticket(json.dumps(ticket).encode())).read_all()
+    assert got.column("value")[0].as_py() in ([0, 1, 2], [1, 2, 3])
+    action_json(c, "ack", {"claim_id": header["claim_id"]})
+
+
+def test_a_local_node_serves_its_machines_trainer_and_fetches_run_in_parallel(cluster):
+    producers = [client(cluster, m) for m in range(3)]
+    make_table(producers[0])
+    for m, p in enumerate(producers):
+        p.put("t", rows(f"m{m}x", 4))
+    with client(cluster, 1) as trainer:
+        claim = trainer.claim("t", 12)
+        assert claim.tables["t"].num_rows == 12
+        # two columns on three nodes: six fetches at once, one node's of them local
+        assert trainer.fetch_stats["parallel"] == 6
+        assert trainer.fetch_stats["local_fetches"] == 2
+        assert all(v.endswith("r" * 100) for v in claim.tables["t"].column("response").to_pylist())
+    for p in producers:
+        p.close()
+
+
+def test_group_claims_and_subscriptions_with_values_on_several_nodes(cluster):
+    producers = [client(cluster, m) for m in range(3)]
+    make_table(producers[0])
+    for m, p in enumerate(producers):   # every group has one sample from each machine
+        p.put("t", {"sample_id": [f"g{g}_0_{m}" for g in range(4)],
+                    "response": [f"g{g}m{m}"] * 4 if False else [f"g{g}m{m}" for g in range(4)],
+                    "tokens": [[g, m] for g in range(4)], "reward": [1.0] * 4})
+    with client(cluster, 0) as trainer:
+        claim = trainer.claim("t", 6, group_by="input_id", group_size=3)
+        data = claim.tables["t"]
+        assert data.num_rows == 6
+        for g in set(data.column("input_id").to_pylist()):
+            mine = data.filter(pa.compute.equal(data.column("input_id"), g))
+            assert sorted(mine.column("response").to_pylist()) == [f"{g}m{m}" for m in range(3)]
+        trainer.ack(claim.claim_id)
+        with trainer.subscribe("t", 3, 6, group_by="input_id", group_size=3) as sub:
+            batches = [sub.next(timeout=10) for _ in range(2)]
+            assert all(b is not None and b.num_rows == 3 for b in batches)
+            for b in batches:
+                assert b.data.column("tokens").to_pylist()[0][0] == int(b.data.column(
+                    "input_id")[0].as_py()[1:])
+                b.ack()
+            assert batches[1].is_boundary
+            assert sub.bump_version() == 1
+        assert trainer.get_version("t") == 1
+    for p in producers:
+        p.close()
+
+
+def test_with_two_replicas_a_lost_node_loses_nothing(cluster):
+    with client(cluster, 1, replicas=2) as producer, client(cluster, 0) as trainer:
+        make_table(producer)
+        producer.put("t", rows("a", 8))
+        received = cluster.received()
+        assert received[1] > 8 * VALUE and max(received[0], received[2]) > 8 * VALUE
+        cluster.nodes[1].close()              # the producer's machine is gone
+        claim = trainer.claim("t", 8)
+        assert sorted(claim.tables["t"].column("response").to_pylist()) == \
+            sorted(rows("a", 8)["response"])
+        trainer.ack(claim.claim_id)
+        assert trainer.stats("t")["t"]["dead"] == 0
+
+
+def test_without_replicas_rows_of_a_lost_node_are_dead_lettered_with_the_reason(cluster):
+    with client(cluster, 1) as lost_side, client(cluster, 2) as other, \
+            client(cluster, 0) as trainer:
+        make_table(lost_side)
+        lost_side.put("t", rows("lost", 4))
+        other.put("t", rows("kept", 4))
+        cluster.nodes[1].close()
+        claim = trainer.claim("t", 8)        # finds dn-1 gone: gives back, reports, claims again
+        got = claim.tables["t"]
+        assert sorted(got.column("sample_id").to_pylist()) == [f"kept{i}_0_0" for i in range(4)]
+        assert all(v.startswith("kept") for v in got.column("response").to_pylist())
+        trainer.ack(claim.claim_id)
+        stats = trainer.stats("t")["t"]
+        assert stats["dead"] == 4 and stats["ready"] == 0
+        reasons = trainer._json("dead_letters", {"table": "t"})
+        assert sorted(r["sample_id"] for r in reasons) == [f"lost{i}_0_0" for i in range(4)]
+        assert all("dn-1" in r["reason"] and "replica" in r["reason"] for r in reasons)
+        assert trainer.claim("t", 8).claim_id == ""   # nothing half, nothing hangs
+
+
+def test_the_coordinator_finds_a_silent_node_lost_without_any_client(cluster):
+    with client(cluster, 1) as producer:
+        make_table(producer)
+        producer.put("t", rows("a", 3))
+        cluster.nodes[1].close()
+        wait_until(lambda: producer.stats("t")["t"]["dead"] == 3, timeout=20,
+                   message="rows of the silent node dead-lettered")
+        assert not {n["node_id"]: n for n in producer.cluster(refresh=True)["nodes"]}["dn-1"][
+            "alive"]
+
+
+def test_a_restarted_coordinator_keeps_its_tables_and_nodes_register_again(tmp_path):
+    c = Cluster(tmp_path)
+    try:
+        with client(c, 0) as s:
+            make_table(s)
+            s.put("t", rows("a", 4))
+        port = c.coordinator.port
+        c.coordinator.close()
+        c.coordinator = CoordinatorServer(str(tmp_path / "coord.duckdb"), port=port)
+        with client(c, 2) as s:
+            assert s.describe("t")["columns"][0]["placement"] == "data_node"
+            claim = s.claim("t", 4)
+            assert claim.tables["t"].num_rows == 4
+            assert claim.tables["t"].column("tokens").to_pylist()[0] == [0, 1, 2]
+            wait_until(lambda: len(c.coordinator.registry.nodes) == 3, timeout=10,
+                       message="data nodes registered again")
+    finally:
+        c.close()
+
+
+def test_bad_input_is_refused_with_the_value_named(cluster):
+    with pytest.raises(InvalidArgument, match="replicas 3"):
+        client(cluster, 0, replicas=3)
+    with pytest.raises(InvalidArgument, match="location key 'nope'"):
+        parse_key("nope")
+    c = flight.FlightClient(cluster.uri)
+    with pytest.raises(flight.FlightServerError) as e:
+        action_json(c, "register_node", {"node_id": "bad id!", "location": "grpc://x:1"})
+    assert error_code(e.value) == "invalid_argument" and "bad id!" in str(e.value)
+    node = flight.FlightClient(cluster.nodes[0].location)
+    with pytest.raises(flight.FlightServerError, match="replicas 5"):
+        w, _ = node.do_put(flight.FlightDescriptor.for_command(b'{"put": {"replicas": 5}}'),
+                           pa.schema([("v", pa.string())]))
+        w.write_batch(pa.record_batch({"v": ["x"]}))
+        w.close()
+    assert row_keys("dn-0@0:0:1", 2).to_pylist() == ["dn-0@0:0:1/0", "dn-0@0:0:1/1"]
