@@ -747,6 +747,71 @@ def gc(target: Target, as_json: bool) -> None:
         click.echo(format_pairs(list(result.items())))
 
 
+# -- cluster: scale-out on Ray ------------------------------------------------------------------
+@cli.group()
+def cluster() -> None:
+    """Run expstore over a Ray cluster: a coordinator and a data node per Ray node.
+
+    Needs Ray (pip install 'expstore[cluster]'); see docs/scale-out.md.
+
+    \b
+    Example:
+        expstore cluster up --address auto --db /data/expstore.duckdb --data-dir /local/expstore
+        expstore cluster down --address auto
+    """
+
+
+@cluster.command("up")
+@click.option("--address", default="auto", show_default=True,
+              help="The Ray cluster to join (as ray.init's address).")
+@click.option("--db", default=DEFAULT_DB, show_default=True,
+              help="The coordinator's DuckDB file, on this machine.")
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(1, 65535),
+              help="The coordinator's port (fixed: a restarted coordinator keeps its address).")
+@click.option("--data-dir", default="./expstore-data", show_default=True,
+              help="Each data node keeps its values under DATA_DIR/<node id> on its machine.")
+@click.option("--node-timeout", default=6.0, show_default=True, type=click.FloatRange(min=0.5),
+              help="Seconds without a data node's heartbeat before it is probed (and lost).")
+@json_option
+def cluster_up_command(address: str, db: str, port: int, data_dir: str, node_timeout: float,
+                       as_json: bool) -> None:
+    """Start the coordinator here and a data node on every Ray node (detached actors).
+
+    \b
+    Example:
+        expstore cluster up --address auto --db /data/expstore.duckdb --port 8815
+    """
+    from flight_server.cluster.ray_cluster import cluster_up
+    with _errors():
+        handle = cluster_up(address, db=db, port=port, data_dir=data_dir,
+                            node_timeout=node_timeout, detached=True)
+    info = {"coordinator": handle.uri, "data_nodes": len(handle.datanodes)}
+    if as_json:
+        echo_json(info)
+    else:
+        click.echo(format_pairs(list(info.items())))
+
+
+@cluster.command("down")
+@click.option("--address", default="auto", show_default=True,
+              help="The Ray cluster (as ray.init's address).")
+@json_option
+def cluster_down_command(address: str, as_json: bool) -> None:
+    """Stop the coordinator and data nodes (their files stay on disk).
+
+    \b
+    Example:
+        expstore cluster down --address auto
+    """
+    from flight_server.cluster.ray_cluster import cluster_down
+    with _errors():
+        killed = cluster_down(address)
+    if as_json:
+        echo_json({"stopped": killed})
+    else:
+        click.echo(f"stopped {len(killed)} actor(s)")
+
+
 # -- demo / bench: entry points owned by other packages ---------------------------------------
 def _entry_point(module_name: str, what: str) -> Any:
     try:

@@ -227,3 +227,23 @@ def _answers(s: Any) -> bool:
         return s.health()["status"] == "ok"
     except store.ExpstoreError:
         return False
+
+
+def test_cluster_up_and_down_from_the_cli(deployed, tmp_path):
+    from click.testing import CliRunner
+
+    from expstore.cli import cli
+    deployed.stop()                     # the names are the CLI's to take now
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    runner = CliRunner()
+    up = runner.invoke(cli, ["cluster", "up", "--db", str(tmp_path / "cli.duckdb"), "--port",
+                             str(port), "--data-dir", str(tmp_path / "data"), "--json"])
+    assert up.exit_code == 0, up.output
+    assert f"grpc://127.0.0.1:{port}" in up.output and '"data_nodes": 3' in up.output
+    with store.connect(f"grpc://127.0.0.1:{port}") as s:
+        assert len(s.cluster()["nodes"]) == 3
+    down = runner.invoke(cli, ["cluster", "down", "--json"])
+    assert down.exit_code == 0, down.output
+    assert "expstore-coordinator" in down.output

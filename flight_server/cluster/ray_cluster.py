@@ -173,8 +173,8 @@ def cluster_down(address: str | None = "auto") -> list[str]:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     killed = []
     for info in ray.util.list_named_actors(all_namespaces=True):
-        name = info["name"] if isinstance(info, dict) else info
-        if info.get("namespace", NAMESPACE) != NAMESPACE if isinstance(info, dict) else False:
+        name = info["name"]
+        if info.get("namespace") != NAMESPACE:
             continue
         if name == COORDINATOR_NAME or name.startswith(DATANODE_PREFIX):
             try:
