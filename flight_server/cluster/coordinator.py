@@ -173,7 +173,7 @@ class CoordinatorServer(ExpstoreFlightServer):
         """``describe`` with data-node columns shown as declared (type, ``storage: "ref"``)
         and ``placement: "data_node"``."""
         with self.registry.lock:
-            remote = self.registry.tables.get(description.get("name"), {})
+            remote = self.registry.tables.get(str(description.get("name")), {})
         for col in description.get("columns", []):
             if col["name"] in remote:
                 col.update(type=remote[col["name"]], storage="ref", placement="data_node")
