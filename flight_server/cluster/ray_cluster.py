@@ -54,6 +54,10 @@ class CoordinatorActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def cpu_seconds(self) -> float:
+        """CPU time of the coordinator's process so far (every thread): what it costs."""
+        return time.process_time()
+
     def stop(self) -> None:
         self.server.close()
 
@@ -108,7 +112,8 @@ def data_node_id(ray_node_id: str) -> str:
 def cluster_up(address: str | None = "auto", *, db: str = "expstore.duckdb", port: int = 8815,
                data_dir: str = "expstore-data", node_timeout: float = 6.0,
                detached: bool = False, ready_timeout: float = 120.0,
-               server_options: dict[str, Any] | None = None) -> ClusterHandle:
+               server_options: dict[str, Any] | None = None,
+               nodes: list[str] | None = None) -> ClusterHandle:
     """Start a coordinator on this Ray node and a data node on every alive Ray node.
 
     Args:
@@ -120,6 +125,7 @@ def cluster_up(address: str | None = "auto", *, db: str = "expstore.duckdb", por
         node_timeout: seconds without a heartbeat before a data node is probed (and lost).
         detached: keep the actors after this process exits (``expstore cluster up``).
         ready_timeout: seconds to wait for every data node to register.
+        nodes: the Ray node ids to start data nodes on (default: every alive node).
     """
     ray = import_ray()
     if not ray.is_initialized():
@@ -137,7 +143,7 @@ def cluster_up(address: str | None = "auto", *, db: str = "expstore.duckdb", por
     handle = ClusterHandle(uri, coordinator)
     data_root = os.path.abspath(data_dir)
     for node in ray.nodes():
-        if not node["Alive"]:
+        if not node["Alive"] or (nodes is not None and node["NodeID"] not in nodes):
             continue
         nid = node["NodeID"]
         handle.datanodes[nid] = ray.remote(DataNodeActor).options(
