@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 # run order: baselines first, so a partial run still has something to compare against
 BENCHMARKS = ["flight_raw", "duckdb_bulk", "redis_streams", "ray_queue", "transferqueue",
               "pipeline_sim", "expstore_ingest", "expstore_claims", "expstore_reads",
-              "expstore_scaling", "gpu_train"]
+              "expstore_scaling", "cluster", "gpu_train"]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -111,6 +111,9 @@ def environment(argv: Sequence[str]) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Read when Ray is imported (environment() imports it): without it Ray 2.60 replaces
+    # node_ip_address="127.0.0.1" with the machine's external address.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     args = parse_args(argv)
     if args.list:
         for name in BENCHMARKS:

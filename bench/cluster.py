@@ -1,0 +1,163 @@
+"""Scale-out: aggregate wide ingest and micro-batch reads with N data nodes on a Ray cluster.
+
+One Ray cluster of max(N) logical nodes on this machine, bound to 127.0.0.1; for each N a fresh
+expstore cluster (``cluster_up``: a coordinator and a data node on each of N Ray nodes). Then N
+producers, one Ray task pinned to each node, put wide rows (the by-reference columns go to their
+node's data node, keys to the coordinator) from a common start instant; then N trainers, one per
+node, claim micro-batches of 16 (values fetched from the data nodes) and ack them until the table
+is drained. Aggregates are rows over the wall time from the common start to the last task's end.
+The coordinator's CPU (its process, every thread) per sample is measured around each phase.
+
+Ratios are against N = 1 in the same run; the target is ≥ 0.7 × N. Every logical node shares
+this machine's cores, so the ratios only mean scale-out on a machine with cores to spare (N ≤
+cores / 2): N is 1, 2, 4 here, and 8 as well on a machine with 16 cores or more
+(``EXPSTORE_BENCH_CLUSTER_NODES=1,2,4,8`` sets the list).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+from typing import Any
+
+from bench.context import Ctx, Skip
+from bench.workloads import WIDE_COLUMNS, wide_table
+
+NAME = "cluster"
+TITLE = "Scale-out on Ray: N data nodes (aggregate ingest, micro-batch reads)"
+
+MICRO_BATCH = 16
+PUT_ROWS = 256
+#: seconds between submitting the tasks and their common start (Ray starts a worker per task)
+START_DELAY = 10.0
+REF_COLUMNS = ("prompt", "response", "token_ids", "logprobs")
+
+
+def node_counts(ctx: Ctx) -> list[int]:
+    env = os.environ.get("EXPSTORE_BENCH_CLUSTER_NODES")
+    if env:
+        return sorted({int(x) for x in env.split(",") if x.strip()})
+    counts = [1, 2] if ctx.quick else [1, 2, 4]
+    if (os.cpu_count() or 1) >= 16 and not ctx.quick:
+        counts.append(8)
+    return counts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def produce(uri: str, start: int, rows: int, start_at: float) -> dict[str, Any]:
+    import store
+    data = wide_table(rows, start=start)
+    batches = [data.slice(i, PUT_ROWS) for i in range(0, rows, PUT_ROWS)]
+    with store.connect(uri) as s:
+        s.describe("wide")
+        s.cluster()
+        time.sleep(max(0.0, start_at - time.time()))
+        t0 = time.time()
+        for b in batches:
+            s.put("wide", b)
+        return {"t0": t0, "t1": time.time(), "rows": rows, "bytes": data.nbytes}
+
+
+def train(uri: str, start_at: float) -> dict[str, Any]:
+    import store
+    with store.connect(uri) as s:
+        s.describe("wide")
+        s.cluster()
+        time.sleep(max(0.0, start_at - time.time()))
+        t0 = time.time()
+        rows = nbytes = 0
+        while True:
+            c = s.claim("wide", MICRO_BATCH)
+            if not c.claim_id:
+                break
+            rows += c.tables["wide"].num_rows
+            nbytes += c.tables["wide"].nbytes
+            s.ack(c.claim_id)
+        return {"t0": t0, "t1": time.time(), "rows": rows, "bytes": nbytes,
+                "local": s.fetch_stats["local_fetches"], "fetches": s.fetch_stats["fetches"]}
+
+
+def run(ctx: Ctx) -> None:
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        import ray
+        from ray.cluster_utils import Cluster
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    except ImportError as e:
+        raise Skip("ray not installed (pip install 'expstore[cluster]')") from e
+    from flight_server.cluster.ray_cluster import cluster_up
+
+    counts = node_counts(ctx)
+    rows_per_node = ctx.pick(512, 2048)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False})
+    tmp = tempfile.mkdtemp(prefix="expstore-bench-cluster-")
+    try:
+        for _ in range(max(counts) - 1):
+            cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+        ray.init(address=cluster.address, namespace="expstore", log_to_driver=False)
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        addresses = {n["NodeManagerAddress"] for n in alive}
+        if addresses != {"127.0.0.1"}:
+            raise Skip(f"Ray bound {sorted(addresses)}, not only 127.0.0.1")
+        ids = [n["NodeID"] for n in alive]
+        remote_produce = ray.remote(produce)
+        remote_train = ray.remote(train)
+        base: dict[str, float] = {}
+        for n in counts:
+            handle = cluster_up(None, db=os.path.join(tmp, f"coord-{n}.duckdb"),
+                                port=_free_port(), data_dir=os.path.join(tmp, f"data-{n}"),
+                                nodes=ids[:n])
+            try:
+                with __import__("store").connect(handle.uri) as s:
+                    s.create_table("wide", WIDE_COLUMNS,
+                                   storage={c: "ref" for c in REF_COLUMNS})
+
+                def on(i: int) -> Any:
+                    return NodeAffinitySchedulingStrategy(ids[i], soft=False)
+
+                cpu0 = ray.get(handle.coordinator.cpu_seconds.remote())
+                start_at = time.time() + START_DELAY
+                puts = ray.get([remote_produce.options(num_cpus=0, scheduling_strategy=on(i))
+                                .remote(handle.uri, i * rows_per_node, rows_per_node, start_at)
+                                for i in range(n)])
+                cpu1 = ray.get(handle.coordinator.cpu_seconds.remote())
+                start_at = time.time() + START_DELAY
+                reads = ray.get([remote_train.options(num_cpus=0, scheduling_strategy=on(i))
+                                 .remote(handle.uri, start_at) for i in range(n)])
+                cpu2 = ray.get(handle.coordinator.cpu_seconds.remote())
+            finally:
+                handle.stop()
+            total = n * rows_per_node
+            put_wall = max(p["t1"] for p in puts) - min(p["t0"] for p in puts)
+            read_wall = max(r["t1"] for r in reads) - min(r["t0"] for r in reads)
+            ingest_mb_s = sum(p["bytes"] for p in puts) / put_wall / 1e6
+            read_rows_s = sum(r["rows"] for r in reads) / read_wall
+            ctx.record(f"ingest_mb_s_n{n}", ingest_mb_s, "MB/s",
+                       f"wide ingest, {n} node(s), aggregate")
+            ctx.record(f"read_rows_s_n{n}", read_rows_s, "rows/s",
+                       f"micro-batch reads (claim 16 + ack), {n} node(s), aggregate")
+            ctx.record(f"coord_cpu_us_put_n{n}", (cpu1 - cpu0) / total * 1e6, "us",
+                       f"coordinator CPU per sample put, {n} node(s)")
+            ctx.record(f"coord_cpu_us_read_n{n}", (cpu2 - cpu1) / max(1, sum(
+                r["rows"] for r in reads)) * 1e6, "us",
+                       f"coordinator CPU per sample read, {n} node(s)")
+            if n == counts[0]:
+                base = {"ingest": ingest_mb_s / n, "read": read_rows_s / n}
+            else:
+                ctx.record(f"ingest_ratio_n{n}", ingest_mb_s / base["ingest"], "x",
+                           f"ingest vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
+                ctx.record(f"read_ratio_n{n}", read_rows_s / base["read"], "x",
+                           f"reads vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
