@@ -420,7 +420,15 @@ LONG_CASES: dict[str, tuple[Callable[[flight.FlightClient, str], Any], str]] = {
         c, {"id": 1, "action": n, "body": {}}), "invalid_argument"),
     "session body": (lambda c, n: _long_session_request(
         c, {"id": 1, "action": "ack", "body": {"claim_id": n}}), "not_found"),
+    "Flight SQL statement": (lambda c, n: c.get_flight_info(_flight_sql_statement(
+        f"SELECT * FROM {n[:99_000]}")), "query_refused"),
 }
+
+
+def _flight_sql_statement(sql: str) -> flight.FlightDescriptor:
+    from flight_server.flightsql import messages
+    return flight.FlightDescriptor.for_command(
+        messages.pack(messages.CommandStatementQuery(query=sql)))
 
 
 @pytest.mark.parametrize("name", [LONG, LONG_WIDE], ids=["ascii", "non-ascii"])
