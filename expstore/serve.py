@@ -70,31 +70,39 @@ def check_can_listen(host: str, port: int) -> None:
     from store.errors import InvalidArgument
 
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise InvalidArgument(f"--host {host!r} is not a known host name or address "
                               f"({e.strerror}); use 127.0.0.1, 0.0.0.0 or an address of this "
                               "machine") from None
-    with socket.socket(family, kind, proto) as probe:
-        # As gRPC does: a port whose last connections linger in TIME_WAIT is free to listen on.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise InvalidArgument(
-                    f"port {port} on {host} is in use (another expstore serve?); stop what "
-                    "listens there, or pick another with --port (0 picks a free one)") from None
-            if e.errno == errno.EADDRNOTAVAIL:
-                raise InvalidArgument(
-                    f"--host {host} is not an address of this machine; use 127.0.0.1 (this "
-                    "machine only), 0.0.0.0 (every interface) or one of its addresses") from None
-            if e.errno == errno.EACCES:
-                raise InvalidArgument(
-                    f"port {port} needs privileges to listen on; pick one above 1023 with "
-                    "--port") from None
-            raise InvalidArgument(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    # gRPC listens on every address the name resolves to that it can bind (``localhost``: ::1
+    # and 127.0.0.1), so the host is refused only if none binds; a port in use on any is.
+    errors = []
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            # As gRPC does: a port whose last connections linger in TIME_WAIT is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise InvalidArgument(
+                        f"port {port} on {host} is in use (another expstore serve?); stop what "
+                        "listens there, or pick another with --port (0 picks a free one)"
+                    ) from None
+                errors.append(e)
+    if len(errors) < len(addresses):
+        return
+    first = errors[0]
+    if first.errno == errno.EADDRNOTAVAIL:
+        raise InvalidArgument(
+            f"--host {host} is not an address of this machine; use 127.0.0.1 (this machine "
+            "only), 0.0.0.0 (every interface) or one of its addresses")
+    if first.errno == errno.EACCES:
+        raise InvalidArgument(f"port {port} needs privileges to listen on; pick one above 1023 "
+                              "with --port")
+    raise InvalidArgument(f"cannot listen on {host}:{port}: {first.strerror}")
 
 
 def check_tls_files(cert: str, key: str) -> None:
