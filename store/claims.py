@@ -102,5 +102,29 @@ class Claim:
         return self.num_rows > 0
 
 
+MAX_CONSUMER_CHARS = 256
+
+
+def check_consumer(consumer: object) -> str:
+    """A claim's consumer name as leases show it: ``"anonymous"`` for None or ""."""
+    if consumer is None or consumer == "":
+        return "anonymous"
+    if not isinstance(consumer, str):
+        raise InvalidArgument(f"consumer {consumer!r} is not a string; expected a name such as "
+                              "'trainer-0'")
+    if len(consumer) > MAX_CONSUMER_CHARS or not consumer.isprintable():
+        raise InvalidArgument(f"consumer {consumer[:80]!r} is not allowed; expected at most "
+                              f"{MAX_CONSUMER_CHARS} printable characters")
+    return consumer
+
+
+def check_lease_seconds(seconds: object) -> None:
+    """A claim's lease length: None (the table's) or a number of seconds in (0, 86400]."""
+    if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
+                                or not 0 < seconds <= 86400):
+        raise InvalidArgument(f"lease_seconds {seconds!r} is invalid; expected a number of "
+                              "seconds in (0, 86400]")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -34,7 +34,7 @@ import pyarrow.fs as pafs
 
 from .blobs import BlobStore
 from .cache import ClaimCache
-from .claims import Claim, ClaimRequest
+from .claims import Claim, ClaimRequest, check_consumer, check_lease_seconds
 from .errors import AlreadyExists, StoreClosed, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
     QueryRefused, QueryTimeout, StorageError, TableFull
 from .live import LOADING, Lease, LiveTable, Row
@@ -322,11 +322,8 @@ class EmbeddedStore:
             twice = next(n for n in names if names.count(n) > 1)
             raise InvalidArgument(f"claim_many names table {twice!r} twice; give one request "
                                   "per table")
-        if lease_seconds is not None and (not isinstance(lease_seconds, (int, float))
-                                          or not 0 < lease_seconds <= 86400):
-            raise InvalidArgument(f"lease_seconds {lease_seconds!r} is invalid; expected a "
-                                  "number of seconds in (0, 86400]")
-        owner = str(consumer) if consumer else "anonymous"
+        check_lease_seconds(lease_seconds)
+        owner = check_consumer(consumer)
         lives = [self._live_table(r.table) for r in requests]
         accepted: list[set[int] | None] = []
         for req, live in zip(requests, lives):

@@ -21,13 +21,12 @@ from . import tensors
 from .blobs import Chunk, serialize_chunk_buffer
 from .errors import InvalidArgument, SchemaMismatch
 from .schema import META_NAMES, WRITABLE_META, TableDef
-from .types import constant_bools, is_complex, is_tensor, type_name
+from .naming import MAX_SAMPLE_ID, SAMPLE_ID_PATTERN, sample_id_problem
+from .tensors import tensor_problem
+from .types import cast_problem, constant_bools, is_complex, is_tensor, type_name
 
-SAMPLE_ID_PATTERN = r"^(?P<input_id>.+)_(?P<turn>[0-9]{1,9})_(?P<trajectory_id>[0-9]{1,9})$"
-MAX_SAMPLE_ID = 512
-# The same pattern for Python's re (fullmatch: no "$" before a final newline; ids with a newline
-# are left to the general path anyway).
-_SAMPLE_ID = re.compile(r"(.+)_([0-9]{1,9})_([0-9]{1,9})")
+# The same pattern for Python's re in the fast path (fullmatch: no "$" before a final newline).
+_SAMPLE_ID = re.compile(SAMPLE_ID_PATTERN.removeprefix("^").removesuffix("$"))
 #: Writes of at most this many rows are small: the writer thread prepares them (many at once).
 SMALL_ROWS = 16
 #: Batches of at most this many rows are prepared without compute kernels (Python lists): that
@@ -104,11 +103,30 @@ def _columns_to_arrays(tdef: TableDef, cols: Mapping[str, Any]) -> dict[str, pa.
                     [None if v is None else np.asarray(v) for v in values],
                     dtype=target.field(1).type.value_type.to_pandas_dtype())
             else:
-                out[name] = pa.array(list(values), type=target)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
+                out[name] = _python_values(name, list(values), target)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
             raise SchemaMismatch(f"values of column {name!r} do not fit its type "
-                                 f"{type_name(target)}: {e}") from e
+                                 f"{type_name(target)}: {e}; expected {type_name(target)} "
+                                 "values") from e
     return out
+
+
+def _python_values(name: str, values: list[Any], target: pa.DataType) -> pa.Array:
+    """Python values of one column as an Array of ``target``'s type, under the conversion rules
+    of Arrow input (:func:`store.types.cast_problem`).
+
+    Why not ``pa.array(values, type=target)`` alone: it turns ``True`` into 1.0 and 1.5 into 1.
+    The values' own Arrow type is inferred first and converted as a batch's column would be;
+    values Arrow cannot infer (an integer past int64 for a uint64 column) are converted to the
+    target directly, where no ``bool`` may stand for a number."""
+    try:
+        inferred = pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        if not pa.types.is_boolean(target) and any(isinstance(v, bool) for v in values):
+            raise SchemaMismatch(f"column {name!r} holds true/false among other values; "
+                                 f"expected {type_name(target)} values") from None
+        return pa.array(values, type=target)
+    return _converted(name, inferred, target)
 
 
 def _unknown_column(tdef: TableDef, name: str) -> None:
@@ -173,10 +191,7 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
     if not pc.all(valid).as_py() or too_long:
         bad = next(s for s, ok in zip(sid.to_pylist(), valid.to_pylist())
                    if not ok or len(s) > MAX_SAMPLE_ID)
-        raise InvalidArgument(
-            f"sample_id {bad[:80]!r} is malformed; expected '{{input_id}}_{{turn}}_"
-            f"{{trajectory_id}}' with a non-empty input id and non-negative integer turn and "
-            f"trajectory id (at most 9 digits each), at most {MAX_SAMPLE_ID} characters")
+        raise InvalidArgument(sample_id_problem(bad) or f"sample_id {bad[:80]!r} is malformed")
     n = table.num_rows
     versions = put_versions(table, current_version)
     finished = (_as_type(table, "finished_version", pa.int64()) if "finished_version" in names
@@ -245,7 +260,7 @@ def _prepare_small(tdef: TableDef, table: pa.Table, names: list[str], current_ve
     trajs: list[int] = []
     for text in sids:
         m = _SAMPLE_ID.fullmatch(text)
-        if m is None or len(text) > MAX_SAMPLE_ID or "\n" in text:
+        if m is None or len(text) > MAX_SAMPLE_ID:
             return None
         inputs.append(m.group(1))
         turns.append(int(m.group(2)))
@@ -367,15 +382,30 @@ def _as_type(table: pa.Table, name: str, target: pa.DataType, *,
         arr = col.chunk(0) if not copy and col.num_chunks == 1 else col.combine_chunks()
     else:
         arr = col
-    if arr.type == target:
-        return arr
-    if pa.types.is_null(arr.type):
-        return pa.nulls(len(arr), target)
-    try:
-        return arr.cast(target, safe=True)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-        raise SchemaMismatch(f"column {name!r} has type {arr.type}, which does not convert to "
-                             f"the expected {type_name(target)}: {e}") from e
+    return _converted(name, arr, target)
+
+
+def _converted(name: str, arr: pa.Array, target: pa.DataType) -> pa.Array:
+    """``arr`` as ``target``'s type if it converts without changing meaning
+    (:func:`store.types.cast_problem`), tensors checked (:func:`store.tensors.tensor_problem`)."""
+    if arr.type != target:
+        if pa.types.is_null(arr.type):
+            return pa.nulls(len(arr), target)
+        problem = cast_problem(arr.type, target)
+        if problem is not None:
+            raise SchemaMismatch(f"column {name!r} has type {arr.type}, which is not written to "
+                                 f"a {type_name(target)} column: {problem}; send "
+                                 f"{type_name(target)} values")
+        try:
+            arr = arr.cast(target, safe=True)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+            raise SchemaMismatch(f"column {name!r} has type {arr.type}, which does not convert "
+                                 f"to the expected {type_name(target)}: {e}") from e
+    if is_tensor(target):
+        problem = tensor_problem(arr)
+        if problem is not None:
+            raise SchemaMismatch(f"tensor column {name!r}: {problem}")
+    return arr
 
 
 def _split(name: str, values: pa.Array, storage: str,

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Protocol
 
 import pyarrow as pa
 
-from .claims import Claim, ClaimRequest
+from .claims import Claim, ClaimRequest, check_consumer, check_lease_seconds
 from .errors import InvalidArgument
 
 
@@ -110,11 +110,8 @@ class Subscription:
         # at its first claim.
         ClaimRequest(table, micro_batch_size, where, group_by, group_size,
                      micro_batch_size).validated()
-        if lease_seconds is not None and (isinstance(lease_seconds, bool)
-                                          or not isinstance(lease_seconds, (int, float))
-                                          or not 0 < lease_seconds <= 86400):
-            raise InvalidArgument(f"lease_seconds {lease_seconds!r} is invalid; expected a "
-                                  "number of seconds in (0, 86400]")
+        check_lease_seconds(lease_seconds)
+        check_consumer(consumer)
         self._store = store
         self.table = table
         self.micro_batch_size = micro_batch_size

@@ -11,8 +11,9 @@ from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from .types import is_tensor, one_array, tensor_type
+from .types import cast_problem, is_tensor, one_array, tensor_type
 
 
 def to_arrow(arrays: Sequence[np.ndarray | None], dtype: str | np.dtype | None = None) -> pa.Array:
@@ -28,14 +29,85 @@ def to_arrow(arrays: Sequence[np.ndarray | None], dtype: str | np.dtype | None =
             shapes.append(None)
             datas.append(None)
             continue
-        a = np.asarray(a, dtype=np_dtype)
+        a = np.asarray(a)
         shapes.append(list(a.shape))
-        datas.append(pa.array(a.reshape(-1), type=element))
+        datas.append(_elements(a, element))
     data = pa.array([d.to_pylist() if d is not None else None for d in datas],
                     type=pa.large_list(element)) if datas else pa.array([], pa.large_list(element))
     mask = pa.array([a is None for a in arrays], pa.bool_())
     return pa.StructArray.from_arrays([pa.array(shapes, pa.list_(pa.int64())), data],
                                       names=["shape", "data"], mask=mask)
+
+
+def _elements(a: np.ndarray, element: pa.DataType) -> pa.Array:
+    """An array's values, flat, as ``element``: converted only where that keeps their meaning
+    (``np.asarray(a, dtype)`` turned 1.5 into 1 and 2 into ``True`` without a word)."""
+    flat = pa.array(a.reshape(-1))
+    if flat.type == element:
+        return flat
+    problem = cast_problem(flat.type, element)
+    if problem is not None:
+        raise ValueError(f"a tensor of {a.dtype} is not written as {element}: {problem}")
+    try:
+        return flat.cast(element, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise ValueError(f"a tensor of {a.dtype} does not convert to {element}: {e}") from e
+
+
+#: The most dimensions a tensor may have (numpy's own limit is 64) and the largest one.
+MAX_TENSOR_DIMS = 32
+MAX_TENSOR_DIM = 2**31 - 1
+
+
+def tensor_problem(column: pa.Array) -> str | None:
+    """What is wrong with the tensors of a column (a message naming the first bad row), or None.
+
+    A tensor is valid when its shape and data are both present, its shape has at most
+    :data:`MAX_TENSOR_DIMS` dimensions, each in ``[0, MAX_TENSOR_DIM]``, and their product is the
+    number of values in its data (an empty shape: one value). Checked with a few numpy passes
+    over the shapes, not per row in Python.
+    """
+    column = one_array(column)
+    if len(column) == 0:
+        return None
+    present = np.asarray(column.is_valid().to_numpy(zero_copy_only=False), bool)
+    shapes, datas = column.flatten()
+    missing = present & ~np.asarray(shapes.is_valid().to_numpy(zero_copy_only=False), bool)
+    missing |= present & ~np.asarray(datas.is_valid().to_numpy(zero_copy_only=False), bool)
+    if missing.any():
+        row = int(np.argmax(missing))
+        return (f"row {row} has no {'shape' if not shapes[row].is_valid else 'data'}; expected "
+                "both a shape and data")
+    ndims = np.asarray(pc.fill_null(pc.list_value_length(shapes), 0).to_numpy(), np.int64)
+    if (ndims > MAX_TENSOR_DIMS).any():
+        row = int(np.argmax(ndims > MAX_TENSOR_DIMS))
+        return (f"row {row} has {int(ndims[row])} dimensions; expected at most "
+                f"{MAX_TENSOR_DIMS}")
+    dims_array = pc.list_flatten(shapes)
+    if dims_array.null_count:
+        rows = pc.list_parent_indices(shapes).to_numpy()
+        row = int(rows[np.argmax(~np.asarray(dims_array.is_valid().to_numpy(
+            zero_copy_only=False), bool))])
+        return (f"row {row} has a null dimension in its shape {shapes[row].as_py()}; expected "
+                "integers")
+    dims = np.asarray(dims_array.to_numpy(zero_copy_only=False), np.int64)
+    parents = np.asarray(pc.list_parent_indices(shapes).to_numpy(), np.int64)
+    bad = (dims < 0) | (dims > MAX_TENSOR_DIM)
+    if bad.any():
+        row = int(parents[np.argmax(bad)])
+        return (f"row {row} has the shape {shapes[row].as_py()}; expected each dimension in "
+                f"[0, {MAX_TENSOR_DIM}]")
+    # Products in float64 are exact up to 2**53; a larger one is no data length either.
+    products = np.ones(len(column), np.float64)
+    np.multiply.at(products, parents, dims.astype(np.float64))
+    lengths = np.asarray(pc.fill_null(pc.list_value_length(datas), 0).to_numpy(), np.float64)
+    wrong = present & (products != lengths)
+    if wrong.any():
+        row = int(np.argmax(wrong))
+        return (f"row {row} has the shape {shapes[row].as_py()} ({products[row]:.0f} values) "
+                f"but {int(lengths[row])} values in its data; expected the product of the "
+                "shape's dimensions to be the number of values")
+    return None
 
 
 def to_numpy(column: pa.Array | pa.ChunkedArray) -> list[np.ndarray | None]:
@@ -58,4 +130,4 @@ def to_numpy(column: pa.Array | pa.ChunkedArray) -> list[np.ndarray | None]:
     return out
 
 
-__all__ = ["to_arrow", "to_numpy", "tensor_type"]
+__all__ = ["tensor_problem", "to_arrow", "to_numpy", "tensor_type"]

@@ -142,3 +142,68 @@ def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
     if isinstance(column, pa.ChunkedArray):
         return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     return column
+
+
+def cast_problem(source: pa.DataType, target: pa.DataType) -> str | None:
+    """Why values of Arrow type ``source`` must not be written to a column of type ``target``,
+    or None when they convert without changing meaning.
+
+    Arrow converts far more than a store should take silently: a written 2 became ``true``, a
+    ``true`` became 1.0, a float or a date became text. Refused: anything to or from ``bool``
+    but ``bool``; numbers, dates and timestamps to ``string`` or ``binary``; text to numbers or
+    timestamps; anything but dates and timestamps to ``timestamp``. Kept: integers and floats
+    between each other (a value that does not fit, or a fraction written to an integer, is still
+    refused by the conversion itself; a float64 written to a float32 column is rounded to
+    float32's precision, as numpy would), ``string`` and ``binary`` between each other (text
+    must be valid UTF-8), list and tensor elements by the same rules.
+    """
+    if pa.types.is_dictionary(source):
+        source = source.value_type
+    if source == target or pa.types.is_null(source):
+        return None
+    if is_tensor(target):
+        if not (pa.types.is_struct(source) and source.get_field_index("shape") >= 0
+                and source.get_field_index("data") >= 0):
+            return f"{source} is not a tensor (a struct of shape and data)"
+        shape = source.field("shape").type
+        data = source.field("data").type
+        if not (_is_list(shape) and pa.types.is_integer(shape.value_type)):
+            return f"a tensor's shape of type {shape} is not a list of integers"
+        if not _is_list(data):
+            return f"a tensor's data of type {data} is not a list"
+        return cast_problem(data.value_type, target.field(1).type.value_type)
+    if _is_list(target):
+        if not _is_list(source):
+            return f"{source} is not a list"
+        return cast_problem(source.value_type, target.value_type)
+    kind, wanted = _kind(source), _kind(target)
+    if kind == wanted or {kind, wanted} == {"number"} or {kind, wanted} <= {"text", "bytes"}:
+        return None
+    if wanted == "time" and kind == "date":
+        return None
+    return f"{_KIND_NAMES.get(kind, str(source))} would become {_KIND_NAMES[wanted]}"
+
+
+_KIND_NAMES = {"bool": "true/false", "number": "numbers", "text": "text", "bytes": "bytes",
+               "time": "timestamps", "date": "dates"}
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def _kind(t: pa.DataType) -> str:
+    if pa.types.is_boolean(t):
+        return "bool"
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):
+        return "number"
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return "text"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or \
+            pa.types.is_fixed_size_binary(t) or pa.types.is_binary_view(t):
+        return "bytes"
+    if pa.types.is_timestamp(t):
+        return "time"
+    if pa.types.is_date(t):
+        return "date"
+    return str(t)

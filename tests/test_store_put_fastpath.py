@@ -289,7 +289,7 @@ def test_bulk_parse_of_sample_ids_matches_parse_sample_id():
     underscores."""
     from store.naming import parse_sample_id
     tricky = ["q1_0_0", "gsm8k_17_2_5", "a_b_c_d_3_4", "__x__12_999999999_0", "ü_1_2",
-              "x_007_010", "日本_3_4", "a__1_2"]
+              "x_7_10", "x_00_1_2", "日本_3_4", "a__1_2"]
     ids = tricky + [f"pad{i}_0_0" for i in range(prepare.FAST_PREPARE_ROWS)]
     p = prepare.prepare_put(TDEF, [{"sample_id": t} for t in ids], 0, 64)
     got = list(zip(p.physical.column("input_id").to_pylist(),
@@ -440,6 +440,53 @@ def _shapes():
                                       names=["sample_id", "sample_id"])
     yield "not rows", ["a_0_0"]
     yield "mixed", [{"sample_id": "a_0_0", "reward": "high"}]
+    yield from _refused_shapes()
+
+
+def _refused_shapes():
+    """Writes refused since issue #29 (item 6), each on both paths with the same error."""
+    for bad in ["q1_00_0", "q1_0_01", "q_000000000_0", "q\x00_0_0", "q\t_1_2", "\x1b[31m_0_0",
+                "q\x7f_0_0", "q\x85_0_0"]:
+        yield f"bad id {bad[:10]!r}", [{"sample_id": "ok_0_0"}, {"sample_id": bad}]
+    # conversions that change what was written, and tensors that are not tensors
+    yield "int to bool", pa.table({"sample_id": ["a_0_0"], "done": pa.array([2], pa.int64())})
+    yield "float to bool", pa.table({"sample_id": ["a_0_0"], "done": [0.5]})
+    yield "bool to float", pa.table({"sample_id": ["a_0_0"], "reward": [True]})
+    yield "bool to int", pa.table({"sample_id": ["a_0_0"], "n": [True]})
+    yield "float to string", pa.table({"sample_id": ["a_0_0"], "prompt": [1.5]})
+    yield "int to string", pa.table({"sample_id": ["a_0_0"], "prompt": [7]})
+    yield "date to string", pa.table({"sample_id": ["a_0_0"],
+                                      "prompt": pa.array([1], pa.date32())})
+    yield "timestamp to string", pa.table({"sample_id": ["a_0_0"],
+                                           "note": pa.array([1], pa.timestamp("s"))})
+    yield "text to number", pa.table({"sample_id": ["a_0_0"], "n": ["12"]})
+    yield "int to timestamp", pa.table({"sample_id": ["a_0_0"], "when": [5]})
+    yield "int status", pa.table({"sample_id": ["a_0_0"], "reward_status": [1]})
+    yield "fraction to int", pa.table({"sample_id": ["a_0_0"], "n": [1.5]})
+    yield "bools in a list", pa.table({"sample_id": ["a_0_0"], "ids": [[True, False]]})
+    yield "python bool to float", [{"sample_id": "a_0_0", "reward": True}]
+    yield "python fraction to int", [{"sample_id": "a_0_0", "n": 1.5}]
+    yield "python float to bool", [{"sample_id": "a_0_0", "done": 1.0}]
+    yield "python bool in a list", [{"sample_id": "a_0_0", "ids": [1, True]}]
+    yield "tensor of bools", pa.table({"sample_id": ["a_0_0"], "emb": _tensors(
+        [[2]], [[True, False]], pa.bool_())})
+    for label, shape, values in [("shape and data disagree", [2, 3], 5),
+                                 ("negative dimension", [-2, -3], 6),
+                                 ("absurd dimension", [0, 2**40], 0),
+                                 ("too many dimensions", [1] * 40, 1),
+                                 ("product past int64", [2**31 - 1] * 4, 3)]:
+        yield f"tensor: {label}", pa.table({"sample_id": ["a_0_0", "b_0_0"], "emb": _tensors(
+            [[2], shape], [[0.0, 1.0], [0.5] * values], pa.float32())})
+    yield "tensor: null shape", pa.table({"sample_id": ["a_0_0"], "emb": _tensors(
+        [None], [[1.0]], pa.float32())})
+    yield "python tensor of bools", [{"sample_id": "a_0_0", "emb": np.ones((2,), bool)}]
+
+
+def _tensors(shapes, datas, element):
+    """A tensor column built from raw shapes and data (which need not agree)."""
+    return pa.StructArray.from_arrays(
+        [pa.array(shapes, pa.list_(pa.int64())), pa.array(datas, pa.large_list(element))],
+        names=["shape", "data"])
 
 
 @pytest.mark.parametrize("label, data", list(_shapes()), ids=[lbl for lbl, _ in _shapes()])
@@ -453,6 +500,21 @@ def test_prepare_fast_path_matches_the_general_path(label, data):
         if table.num_rows <= prepare.FAST_PREPARE_ROWS:
             taken = prepare._prepare_small(TDEF, table, table.column_names, 3, 64) is not None
             assert taken == (label not in ("null version", "duplicates"))
+
+
+@pytest.mark.parametrize("label, data", list(_refused_shapes()),
+                         ids=[lbl for lbl, _ in _refused_shapes()])
+def test_values_that_would_change_or_clash_are_refused(label, data):
+    """Both paths refuse them with the same invalid_argument (or schema_mismatch) error, naming
+    the column or sample id and what was expected."""
+    from store.errors import InvalidArgument
+    for fast in (True, False):
+        done, error = _run(data, fast=fast)
+        assert done is None and error is not None, f"{label}: accepted"
+        kind, message = error
+        assert issubclass(kind, InvalidArgument), (label, error)
+        assert "sample_id" in message or "column" in message, message
+        assert "expected" in message or "send" in message, message
 
 
 def test_prepare_fast_path_is_taken(monkeypatch):
