@@ -42,6 +42,12 @@ class StorageFault:
     delay: float = RETRY_FIRST
     attempts: int = 0
     _logged_at: float = field(default_factory=time.monotonic)
+    #: A database DuckDB invalidated is trusted again only once a checkpoint succeeds (the
+    #: failure was a checkpoint, or a write, that found no room).
+    checkpoint_due: bool = False
+
+    def __post_init__(self) -> None:
+        self.checkpoint_due = self.invalid
 
     def error(self, waiting: int = 0, read: bool = False) -> StorageUnavailable:
         """The error every change (or, ``read``, every SQL read) gets meanwhile; ``waiting``:
@@ -58,6 +64,7 @@ class StorageFault:
     def update(self, cause: str, invalid: bool) -> None:
         """The cause of a later failure while in this state (a failed try to recover)."""
         self.invalid = self.invalid or invalid
+        self.checkpoint_due = self.checkpoint_due or invalid
         changed = cause != self.cause
         self.cause = cause
         now = time.monotonic()

@@ -422,17 +422,17 @@ class Writer:
             return False
         fault.attempts += 1
         try:
-            reopened = fault.invalid
-            if reopened:
+            if fault.invalid:
                 self._reopen()
                 fault.invalid = False
             self._transaction([])  # the logged changes, and any lease bookkeeping
-            if reopened:
+            if fault.checkpoint_due:
                 # What invalidated it was a checkpoint (or a write) that found no room: one
                 # that succeeds shows there is room again; otherwise the next one would fail
                 # the same way and the store would go round the fault again.
                 self._checkpoint_finished()
                 run_checkpoint(self._con)
+                fault.checkpoint_due = False
         except Exception as e:  # noqa: BLE001 - still failing: the fault notes it, back off
             fault.update(_cause(e), _invalidated(self._con, e))
             fault.failed_try()

@@ -135,7 +135,8 @@ def test_full_blob_disk_fails_puts_cleanly_and_recovers(tmp_path, tmpfs):
         assert s.stats("t")["t"]["consumed"] == len(returned)
 
 
-def test_full_database_disk_fails_puts_cleanly_and_recovers(tmpfs):
+@pytest.mark.parametrize("close_while_full", [False, True])
+def test_full_database_disk_fails_puts_cleanly_and_recovers(tmpfs, close_while_full):
     fs = tmpfs("db", "16m")
     path = str(fs.path / "x.duckdb")
     s = store.connect(path)
@@ -154,7 +155,13 @@ def test_full_database_disk_fails_puts_cleanly_and_recovers(tmpfs):
         assert health["storage"]["waiting_changes"] > 0
         with pytest.raises(StorageUnavailable):
             s.put("t", _rows("refused", 5, big=False))
-        filler.unlink()                               # the cause is gone
+        if close_while_full:
+            # What the put log holds is applied when the store opens again.
+            s.close()
+            filler.unlink()
+            s = store.connect(path)
+            _check_returned(s, returned)
+        filler.unlink(missing_ok=True)                # the cause is gone
         rh.wait_until(lambda: s.health()["status"] == "ok", 30, "recovery once space is free")
         more = _rows("after", 30, big=False)
         s.put("t", more)
