@@ -44,9 +44,9 @@ _LONG_RUN = re.compile(rf"[^\s'\"…]{{{MAX_ECHO_CHARS + 1},}}")
 
 
 def bound_message(message: str) -> str:
-    """``message`` with every run of more than :data:`MAX_ECHO_CHARS` non-space characters cut
-    to its start and its length, and the whole cut to :data:`MAX_MESSAGE_BYTES` (its start and
-    end kept: the end usually says what was expected).
+    """``message`` with every run of more than :data:`MAX_ECHO_CHARS` characters without spaces or
+    quotes cut to its start and its length, and the whole cut to :data:`MAX_MESSAGE_BYTES` (its
+    start and end kept: the end usually says what was expected).
 
     >>> bound_message("unknown table " + "x" * 1000 + " ; tables: a, b")[-40:]
     'xxxxx… (1,000 characters) ; tables: a, b'
