@@ -5,7 +5,7 @@ consumed, stale or dead) is loaded with its status bits, ready (or pending) agai
 
 Leases are soft state (docs/architecture.md): opening the store voids every lease, whether its
 bookkeeping reached DuckDB before the restart or not. Why not restore the ones written: their
-bookkeeping is written lazily (within LEASE_FLUSH_DELAY), so a restore could only ever be partial
+bookkeeping is written lazily (within settings.lease_flush_delay), so a restore could only be partial
 — a claim taken just before a kill came back, one taken a moment later did not. Void for all is
 one rule a trainer can rely on: after a restart, every claim it holds is over, its rows are
 delivered again (the delivery count keeps the one cut short), and a late ack or nack of it is

@@ -220,7 +220,7 @@ class Writer:
             raise self._stopped()
         fault = self._fault
         if fault is not None:  # refused at once: nothing of it is stored (retryable)
-            _fail(op, fault.error(len(self._logged)))
+            _fail(op, fault.error(len(self._logged), read=isinstance(op, ReadOp)))
             return op.future
         self._queue.put(op)
         if self._fatal is not None:  # it stopped meanwhile, maybe after draining the queue
