@@ -12,6 +12,12 @@ engine with :func:`deepspeed_config` (``managed_gradient_accumulation: false``: 
 accumulates, ``step`` is the boundary). A managed engine also works: the loop then sets the boundary
 explicitly with ``engine.set_gradient_accumulation_boundary``.
 
+ZeRO-3 (the paper's configuration, ``deepspeed_config(..., zero_stage=3)``) partitions the
+parameters as well as gradients and optimizer state: ``engine.module.state_dict()`` then holds
+empty placeholders, so the loop publishes :func:`full_state_dict`, which gathers each parameter in
+turn. ZeRO 2 and 3 reduce gradients out of ``.grad`` at every micro-step, so the loop needs the
+global batch's unit count up front (``global_count``); it refuses to start without it.
+
 Acks: by default a micro-batch is acked right after its backward (its gradient is in the
 accumulation cache, the paper's model), without waiting for the answer; the loop waits for all of
 them before it bumps the version (:class:`consumers.acks.PendingAcks`). ``ack_at_step=True`` acks
@@ -45,7 +51,7 @@ from consumers.torch_collate import TorchBatch, collate
 from producers.rollout.weights import prune_published, publish_state_dict
 
 __all__ = ["MicroBatchLike", "LossFn", "StepReport", "DeepSpeedTrainLoop", "deepspeed_config",
-           "check_gradient_dtypes"]
+           "check_gradient_dtypes", "full_state_dict"]
 
 
 class MicroBatchLike(Protocol):
@@ -154,6 +160,31 @@ def _check_engine_dtypes(engine: Any) -> None:
                           accelerator.device_name())
 
 
+def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """The engine's module state dict with every tensor whole, whatever the ZeRO stage.
+
+    Under ZeRO-3 a parameter's ``data`` is an empty placeholder outside forward and backward; each
+    is gathered in turn (``deepspeed.zero.GatheredParameters``, read-only) and copied to the host,
+    so at most one whole parameter is materialised beyond the partitions. Gathering is a
+    collective: with several ranks, every rank must call this, in the same order (the loop does).
+    Other stages return ``engine.module.state_dict()`` as it is.
+    """
+    module = engine.module
+    partitioned = getattr(engine, "zero_optimization_partition_weights", lambda: False)()
+    if not partitioned:
+        return dict(module.state_dict())
+    import deepspeed
+
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if hasattr(tensor, "ds_id"):  # a ZeRO-3 partitioned parameter
+            with deepspeed.zero.GatheredParameters([tensor]):
+                out[name] = tensor.detach().to("cpu", copy=True)
+        else:
+            out[name] = tensor.detach()
+    return out
+
+
 class DeepSpeedTrainLoop:
     """Drive a DeepSpeed engine from a micro-batch subscription.
 
@@ -171,6 +202,7 @@ class DeepSpeedTrainLoop:
     Raises:
         TypeError: the engine's model has parameters of a dtype DeepSpeed cannot reduce on its
             accelerator (float64 anywhere; see :func:`check_gradient_dtypes`).
+        ValueError: ``global_count`` is None with an engine at ZeRO stage 2 or 3.
     """
 
     def __init__(
@@ -185,6 +217,12 @@ class DeepSpeedTrainLoop:
         keep_last: int | None = None,
         ack_at_step: bool = False,
     ) -> None:
+        stage = int(engine.zero_optimization_stage()) if hasattr(engine, "zero_optimization_stage") else 0
+        if stage >= 2 and global_count is None:
+            # ZeRO 2/3 take gradients out of .grad at every micro-step: deferred normalisation
+            # would rescale nothing and train on wrongly scaled gradients.
+            raise ValueError(f"ZeRO stage {stage} reduces gradients at every micro-step; pass global_count "
+                             "(the global batch's number of loss units, e.g. samples for a sample-mean loss)")
         self.engine = engine
         self.loss_fn = loss_fn
         self.weights_dir = weights_dir
@@ -247,7 +285,7 @@ class DeepSpeedTrainLoop:
         if not self._managed:
             self.engine.step()
         self.step += 1
-        uri = publish_state_dict(self.engine.module.state_dict(), self.weights_dir, self.step, name=self.name)
+        uri = publish_state_dict(full_state_dict(self.engine), self.weights_dir, self.step, name=self.name)
         for mb in pending:
             self._acks.send(mb)
         self._acks.settle()

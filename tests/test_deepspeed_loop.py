@@ -1,4 +1,4 @@
-"""The DeepSpeed consumer loop (world size 1, ZeRO 0, 1 and 2) against a plain torch step.
+"""The DeepSpeed consumer loop (world size 1, ZeRO 0 to 3) against a plain torch step.
 
 DeepSpeed picks its accelerator itself: the CPU one (gloo) on a machine without a GPU, CUDA (NCCL)
 where torch sees one, so on a GPU machine every test here trains on the GPU; the references are
@@ -207,9 +207,8 @@ def test_zero_stage_2_with_a_known_denominator_matches_full_batch_steps(tmp_path
     moved = max(float((p.detach().cpu() - p0).abs().max()) for p, p0 in zip(engine.module.parameters(), initial))
     assert moved > 1e-2
     # without the count the loop would rescale gradients that ZeRO 2 no longer keeps: refused
-    deferred = DeepSpeedTrainLoop(engine, sample_mean_loss, tmp_path / "weights")
-    with pytest.raises(RuntimeError, match="pass global_count"):
-        list(deferred.run(items(batches, []), lambda *, weights_uri: None))
+    with pytest.raises(ValueError, match="ZeRO stage 2 .* pass global_count"):
+        DeepSpeedTrainLoop(engine, sample_mean_loss, tmp_path / "weights")
 
 
 def test_ack_at_step_defers_acks_and_max_steps_stops(tmp_path) -> None:
@@ -277,3 +276,89 @@ def test_a_float64_model_is_refused_before_training_naming_the_cause(tmp_path) -
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model.parameters()), config=cfg)
     with pytest.raises(TypeError, match=r"parameters are torch\.float64 .* model\.float\(\)"):
         DeepSpeedTrainLoop(engine, lambda eng, b: grpo_loss(eng, b), tmp_path / "weights")
+
+
+def zero3_loop_from_store(tmp_path) -> None:
+    """ZeRO-3 fed by a subscription through the Flight server: after two global batches its
+    parameters (gathered) and the published weights equal plain torch steps on the same
+    micro-batches, accumulated the same way."""
+    from consumers.accumulation import GradientAccumulator
+    from consumers.deepspeed_loop import DeepSpeedTrainLoop, deepspeed_config, full_state_dict
+    from flight_fixtures import running_server
+    from flight_server.client import RemoteStore
+
+    clip, global_count = 1.0, 8
+    model = build_tiny_lm(seed=8)
+    reference = copy.deepcopy(model).to(ds_device())
+    # Release every parameter right after use, as with a model too large to keep gathered (a tiny
+    # model on one rank otherwise stays gathered between steps, hiding a missing gather).
+    zero3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
+             "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+    cfg = deepspeed_config(micro_batch_size=4, global_batch_size=8, zero_stage=3, gradient_clipping=clip,
+                           extra={"zero_optimization": zero3})
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model.parameters()), config=cfg)
+    assert engine.zero_optimization_stage() == 3
+    with pytest.raises(ValueError, match="ZeRO stage 3 .* pass global_count"):
+        DeepSpeedTrainLoop(engine, sample_mean_loss, tmp_path / "weights")
+
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(running_server(tmp_path / "x.duckdb"))
+        s = stack.enter_context(RemoteStore(server.location))
+        s.create_table("solver", {"token_ids": "list<int32>", "logprobs": "list<float32>", "prompt_len": "int32",
+                                  "reward": "float64", "advantage": "float32"},
+                       max_staleness=1)  # the second global batch is still trainable after the first bump
+        for seed in (5, 6):
+            s.put("solver", make_global_batch(seed).drop_columns(["input_id"]))
+        sub = stack.enter_context(contextlib.closing(
+            s.subscribe("solver", micro_batch_size=4, global_batch_size=8, idle_timeout=5)))
+        seen: list[tuple[pa.Table, bool]] = []
+
+        def recorded() -> Iterator[Any]:
+            for mb in sub:
+                seen.append((mb.data, bool(mb.is_boundary)))
+                yield mb
+
+        loop = DeepSpeedTrainLoop(engine, sample_mean_loss, tmp_path / "weights", global_count=global_count)
+        reports = list(loop.run(recorded(), sub.bump_version, max_steps=2))
+        assert [(r.step, r.version, r.micro_batches, r.count) for r in reports] == [(1, 1, 2, 8), (2, 2, 2, 8)]
+        assert s.get_version("solver") == 2 and s.stats("solver")["solver"]["consumed"] == 16
+    # the parameters really are partitioned: outside a gather the module holds empty placeholders
+    assert all(p.numel() == 0 for p in engine.module.parameters())
+
+    # plain torch on the same micro-batches, in the same order, with the same scaling and clipping
+    opt = optimizer(reference.parameters())
+    acc = GradientAccumulator(reference.parameters(), global_count=global_count)
+    opt.zero_grad()
+    for data, boundary in seen:
+        acc.backward(*sample_mean_loss(reference, collate(data).to(ds_device())), is_last=boundary)
+        if boundary:
+            acc.finish()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+    expected = {k: v.detach().cpu() for k, v in reference.state_dict().items()}
+
+    trained = full_state_dict(engine)
+    published = load_state_dict(reports[-1].weights_uri)
+    assert trained.keys() == published.keys() == expected.keys()
+    for k, e in expected.items():
+        torch.testing.assert_close(trained[k].cpu(), e, **tolerances())
+        torch.testing.assert_close(published[k], e, **tolerances())
+    moved = max(float((e - v.cpu()).abs().max()) for e, v in zip(expected.values(), model_state(8).values()))
+    assert moved > 1e-2  # the steps happened, and are far larger than the tolerance
+
+
+def model_state(seed: int) -> dict[str, torch.Tensor]:
+    return build_tiny_lm(seed=seed).state_dict()
+
+
+def test_zero3_loop_on_a_store_subscription_equals_plain_torch_steps(tmp_path) -> None:
+    zero3_loop_from_store(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=f"torch {torch.__version__} sees no CUDA device")
+def test_zero3_loop_on_cuda_equals_plain_torch_steps(tmp_path) -> None:
+    """The same ZeRO-3 check where DeepSpeed's accelerator is CUDA (NCCL, GPU partitions)."""
+    assert ds_device() == "cuda"
+    zero3_loop_from_store(tmp_path)
