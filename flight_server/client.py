@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from store.claims import Claim, ClaimRequest
+from store.sqlguard import check_sql_text
 from store.errors import ExpstoreError, InvalidArgument, StoreClosed, Unavailable
 from store.prepare import to_arrow_table
 from store.schema import TableDef
@@ -303,7 +304,7 @@ class RemoteStore:
     # -- SQL and stats -------------------------------------------------------------------------
     def query(self, sql: str, params: list[Any] | None = None, *,
               timeout: float | None = None) -> pa.Table:
-        ticket: dict[str, Any] = {"sql": sql}
+        ticket: dict[str, Any] = {"sql": check_sql_text(sql)}
         if params is not None:
             ticket["params"] = list(params)
         if timeout is not None:

@@ -62,13 +62,20 @@ def _parse_tree(sql: str) -> Any:
         return _parser.execute("SELECT json_serialize_sql(?::VARCHAR)", [sql]).fetchone()
 
 
-def check_select(sql: object) -> str:
-    """Return ``sql`` if it is one read-only SELECT; raise :class:`QueryRefused` otherwise."""
+def check_sql_text(sql: object) -> str:
+    """Return ``sql`` if it is a non-empty string within the length limit (what a client checks
+    before sending; the server checks the rest)."""
     if not isinstance(sql, str) or not sql.strip():
         raise QueryRefused(f"query {sql!r} is not a non-empty SQL string")
     if len(sql) > MAX_SQL_CHARS:
         raise QueryRefused(f"query of {len(sql)} characters is longer than the "
                            f"{MAX_SQL_CHARS}-character limit")
+    return sql
+
+
+def check_select(sql: object) -> str:
+    """Return ``sql`` if it is one read-only SELECT; raise :class:`QueryRefused` otherwise."""
+    sql = check_sql_text(sql)
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.Error as e:
@@ -106,6 +113,7 @@ def check_select(sql: object) -> str:
 def check_predicate(where: object) -> str:
     """Validate a claim predicate (a boolean SQL expression over one table's columns)."""
     predicate_query("t", where)
+    assert isinstance(where, str)  # predicate_query refuses anything else
     return where
 
 
