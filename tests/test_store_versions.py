@@ -223,7 +223,7 @@ def test_puts_racing_a_bump_never_leave_old_rows_ready(any_store):
     assert not errors, errors
 
 
-def test_acks_queued_before_a_bump_share_its_commit(embedded_store):
+def test_acks_queued_before_a_bump_share_its_commit(embedded_store, wait_until):
     """A trainer's last ack and its bump, queued together, are made durable in one commit and
     give what acking first, then bumping, gives: the acked rows consumed at the old version and
     not stale; the rest of the old version stale."""
@@ -236,7 +236,9 @@ def test_acks_queued_before_a_bump_share_its_commit(embedded_store):
     commits = s.health()["commits"]
     busy = s.put_async("t", {"sample_id": [f"b{i}_0_0" for i in range(20000)],
                              "reward": [1.0] * 20000})
-    time.sleep(0.05)  # the writer has taken the put: the ack will not share its commit
+    # the writer has taken the put: the ack will not share its commit
+    wait_until(lambda: s._writer.queue_depth == 0,  # noqa: SLF001
+               message="the writer taking the large put")
     acked = s.ack_async(first.claim_id)
     assert s.bump_version("t") == 1
     assert busy.result()["rows"] == 20000

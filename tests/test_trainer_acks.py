@@ -8,7 +8,6 @@ claims to have trained on them.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ from flight_fixtures import running_server  # noqa: E402
 from flight_server.client import RemoteStore  # noqa: E402
 from producers.rollout.tiny_lm import build_tiny_lm  # noqa: E402
 from store.errors import LeaseExpired  # noqa: E402
+from waiting import wait_until  # noqa: E402
 
 COLUMNS = {"token_ids": "list<int32>", "prompt_len": "int32", "logprobs": "list<float32>",
            "reward": "float64"}
@@ -75,14 +75,15 @@ def test_an_ack_that_fails_stops_the_step_before_the_bump(tmp_path, via: str) ->
 
         def slow_second_loss(m: Any, b: Any) -> Any:
             calls.append(1)
-            if len(calls) == 2:
-                time.sleep(0.8)  # the lease (0.3 s) ends while this micro-batch trains
+            if len(calls) == 2:  # the lease ends while this micro-batch trains
+                wait_until(lambda: not s.leases("agent"), timeout=30,
+                           message="the second micro-batch's lease to expire")
             return grpo_loss(m, b)
 
         trainer = TorchTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                slow_second_loss, tmp_path / "w")
         with contextlib.closing(s.subscribe("agent", 4, 8, group_by="input_id", group_size=2,
-                                            lease_seconds=0.3)) as sub:
+                                            lease_seconds=1.0)) as sub:
             with pytest.raises(LeaseExpired):
                 list(trainer.run(sub, max_steps=1, idle_timeout=10))
         assert s.get_version("agent") == 0  # no version claims the step
