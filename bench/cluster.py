@@ -8,7 +8,9 @@ node, claim micro-batches of 16 (values fetched from the data nodes) and ack the
 is drained. Aggregates are rows over the wall time from the common start to the last task's end.
 The coordinator's CPU (its process, every thread) per sample is measured around each phase.
 
-Ratios are against N = 1 in the same run; the target is ≥ 0.7 × N. Every logical node shares
+Ratios are against N = 1 in the same run; the target is ≥ 0.7 × N. TransferQueue
+(bench/transferqueue.py's set-up: its controller and storage units) runs afterwards on the same
+Ray cluster with the same wide rows, one client, as the baseline. Every logical node shares
 this machine's cores, so the ratios only mean scale-out on a machine with cores to spare (N ≤
 cores / 2): N is 1, 2, 4 here, and 8 as well on a machine with 16 cores or more
 (``EXPSTORE_BENCH_CLUSTER_NODES=1,2,4,8`` sets the list).
@@ -157,7 +159,42 @@ def run(ctx: Ctx) -> None:
                            f"ingest vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
                 ctx.record(f"read_ratio_n{n}", read_rows_s / base["read"], "x",
                            f"reads vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
+        transferqueue_baseline(ctx, rows_per_node, base)
     finally:
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def transferqueue_baseline(ctx: Ctx, rows: int, one_node: dict[str, float]) -> None:
+    """TransferQueue (bench/transferqueue.py's set-up) on the same Ray cluster, same wide rows:
+    one client's put and micro-batches of 16 (get_meta + get_data), beside one expstore node's
+    aggregate (one producer, one trainer)."""
+    try:
+        import transfer_queue  # noqa: F401
+        from transfer_queue import SequentialSampler
+    except ImportError as e:
+        print(f"  TransferQueue baseline skipped: {e} (pip install 'transferqueue==0.1.11')")
+        return
+    from bench.transferqueue import _tensordict, micro_batches, micro_rows
+    from bench.transferqueue import transfer_queue as tq_on_ray
+    from bench.util import percentiles_ms
+    nbytes = wide_table(rows).nbytes
+    data = _tensordict(micro_rows("wide", rows), rows)
+    with tq_on_ray(SequentialSampler()) as client:
+        t0 = time.perf_counter()
+        client.put(data=data, partition_id="cluster-ingest")
+        put_s = time.perf_counter() - t0
+        client.clear_partition("cluster-ingest")
+        p50, _ = percentiles_ms(micro_batches(client, "wide", ctx.pick(30, 100), group=False))
+    tq_ingest = nbytes / put_s / 1e6
+    tq_reads = MICRO_BATCH / (p50 / 1e3)
+    ctx.record("tq_ingest_mb_s", tq_ingest, "MB/s",
+               f"TransferQueue put of the same {rows} wide rows, same cluster")
+    ctx.record("tq_read_rows_s", tq_reads, "rows/s",
+               "TransferQueue micro-batches of 16 wide (get_meta + get_data), from p50")
+    if one_node:
+        ctx.record("ingest_vs_tq", one_node["ingest"] / tq_ingest, "x",
+                   "one expstore node's wide ingest vs TransferQueue's")
+        ctx.record("read_vs_tq", one_node["read"] / tq_reads, "x",
+                   "one expstore node's micro-batch reads vs TransferQueue's")

@@ -116,9 +116,11 @@ def test_a_claim_answer_names_the_data_nodes_that_hold_its_values(cluster):
     data = pa.ipc.open_stream(results[1]).read_all()
     holders, row = parse_key(data.column("tokens")[0].as_py())
     node = flight.FlightClient(by_id[holders[0].node].location)
-    ticket = {"get": {"keys": [f"{holders[0].chunk}:{row}"], "type": "list<int32>"}}
+    ticket = {"get": {"columns": [{"keys": [f"{holders[0].chunk}:{row}", None],
+                                   "type": "list<int32>"}]}}
     got = node.do_get(flight.Ticket(json.dumps(ticket).encode())).read_all()
-    assert got.column("value")[0].as_py() in ([0, 1, 2], [1, 2, 3])
+    assert got.column(0).to_pylist()[0] in ([0, 1, 2], [1, 2, 3])
+    assert got.column(0).to_pylist()[1] is None
     action_json(c, "ack", {"claim_id": header["claim_id"]})
 
 
@@ -130,9 +132,10 @@ def test_a_local_node_serves_its_machines_trainer_and_fetches_run_in_parallel(cl
     with client(cluster, 1) as trainer:
         claim = trainer.claim("t", 12)
         assert claim.tables["t"].num_rows == 12
-        # two columns on three nodes: six fetches at once, one node's of them local
-        assert trainer.fetch_stats["parallel"] == 6
-        assert trainer.fetch_stats["local_fetches"] == 2
+        # values on three nodes: one fetch from each (both columns), at once, one local
+        assert trainer.fetch_stats["parallel"] == 3
+        assert trainer.fetch_stats["fetches"] == 3
+        assert trainer.fetch_stats["local_fetches"] == 1
         assert all(v.endswith("r" * 100) for v in claim.tables["t"].column("response").to_pylist())
     for p in producers:
         p.close()
@@ -242,9 +245,26 @@ def test_bad_input_is_refused_with_the_value_named(cluster):
         action_json(c, "register_node", {"node_id": "bad id!", "location": "grpc://x:1"})
     assert error_code(e.value) == "invalid_argument" and "bad id!" in str(e.value)
     node = flight.FlightClient(cluster.nodes[0].location)
+    with pytest.raises(flight.FlightServerError, match="ticket"):
+        node.do_get(flight.Ticket(b'{"get": {"keys": ["0:0:1:0"]}}')).read_all()
     with pytest.raises(flight.FlightServerError, match="replicas 5"):
         w, _ = node.do_put(flight.FlightDescriptor.for_command(b'{"put": {"replicas": 5}}'),
                            pa.schema([("v", pa.string())]))
         w.write_batch(pa.record_batch({"v": ["x"]}))
         w.close()
     assert row_keys("dn-0@0:0:1", 2).to_pylist() == ["dn-0@0:0:1/0", "dn-0@0:0:1/1"]
+
+
+def test_a_rows_columns_written_on_different_machines_come_back_together(cluster):
+    with client(cluster, 0) as first, client(cluster, 2) as later, client(cluster, 1) as trainer:
+        make_table(first)
+        ids = [f"p{i}_0_0" for i in range(5)]
+        first.put("t", {"sample_id": ids, "response": [f"resp{i}" for i in range(5)]})
+        later.put("t", {"sample_id": ids[:4], "tokens": [[i] for i in range(4)],
+                        "reward": [1.0] * 4})
+        first.put("t", {"sample_id": ids[4:], "tokens": [[9]], "reward": [2.0]})
+        claim = trainer.claim("t", 5)
+        data = claim.tables["t"].sort_by("sample_id")
+        assert data.column("response").to_pylist() == [f"resp{i}" for i in range(5)]
+        assert data.column("tokens").to_pylist() == [[0], [1], [2], [3], [9]]
+        assert trainer.fetch_stats["fetches"] == 2      # one call to each of the two nodes

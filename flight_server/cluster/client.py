@@ -94,15 +94,13 @@ class ClusterStore(RemoteStore):
         replicas: 1, or 2 to have each value on a second data node before the put returns.
         placement: this process's machine (default :func:`local_placement`).
         fetch_threads: how many value fetches run at once.
-        **options: as for :class:`RemoteStore` (sessions default to off: puts and claims are
-            then calls the coordinator counts, see ``cluster`` in docs/protocol.md).
+        **options: as for :class:`RemoteStore`.
     """
 
     def __init__(self, uri: str, *, replicas: int = 1, placement: str | None = None,
                  fetch_threads: int = 8, **options: Any) -> None:
         if replicas not in (1, 2) or isinstance(replicas, bool):
             raise InvalidArgument(f"replicas {replicas!r} is invalid; expected 1 or 2")
-        options.setdefault("sessions", False)
         super().__init__(uri, **options)
         self.replicas = replicas
         self.placement = placement if placement is not None else local_placement()
@@ -214,8 +212,8 @@ class ClusterStore(RemoteStore):
         if lease_seconds is not None:
             body["lease_seconds"] = lease_seconds
         for _ in range(LOST_RETRIES):
-            results = self._action("claim_many", body)
-            claim = _claim_from_results(results)
+            # on the session where there is one (the endpoints come from the directory)
+            claim = _claim_from_results(self._fast("claim_many", body).result(self._timeout))
             if not claim.claim_id:
                 return claim
             try:
@@ -256,25 +254,44 @@ class ClusterStore(RemoteStore):
             return data
         nodes = self._nodes()
         plans = {c: self._plan(one_array(data.column(c)), nodes) for c in columns}
-        work = [(c, node, keys) for c, plan in plans.items() for node, (keys, _) in plan.items()]
-        self.fetch_stats["parallel"] = max(self.fetch_stats["parallel"], len(work))
-        futures = {(c, node): self._pool.submit(self._fetch, nodes[node], keys, remote[c])
-                   for c, node, keys in work}
+        # One request per node for all the columns it serves: the node's rows, and per column
+        # the key of each row (None where that value comes from another node, or is null).
+        requests: dict[str, tuple[np.ndarray, list[list[str | None]]]] = {}
+        for node in {n for plan in plans.values() for n in plan}:
+            rows = np.unique(np.concatenate([plan[node][1] for plan in plans.values()
+                                             if node in plan]))
+            aligned = []
+            for c in columns:
+                keyed: list[str | None] = [None] * len(rows)
+                if node in plans[c]:
+                    local, at = plans[c][node]
+                    for i, key in zip(np.searchsorted(rows, at), local):
+                        keyed[i] = key
+                aligned.append(keyed)
+            requests[node] = (rows, aligned)
+        self.fetch_stats["parallel"] = max(self.fetch_stats["parallel"], len(requests))
+        futures = {node: self._pool.submit(self._fetch, nodes[node], aligned,
+                                           [remote[c] for c in columns])
+                   for node, (_, aligned) in requests.items()}
         failed: set[str] = set()
-        fetched: dict[tuple[str, str], pa.Array] = {}
-        for key, future in futures.items():
+        fetched: dict[str, pa.Table] = {}
+        for node, future in futures.items():
             try:
-                fetched[key] = future.result()
+                fetched[node] = future.result()
             except (flight.FlightUnavailableError, flight.FlightTimedOutError, OSError):
-                failed.add(key[1])
+                failed.add(node)
         if failed:
             raise LostValues(failed, f"data node(s) {sorted(failed)} did not answer")
-        for c, plan in plans.items():
+        for i, c in enumerate(columns):
             value_type = parse_type(remote[c])
             pieces, positions = [], []
-            for node, (_, at) in plan.items():
-                pieces.append(fetched[(c, node)].cast(value_type))
-                positions.append(at)
+            for node, (rows, aligned) in requests.items():
+                mine = np.fromiter((k is not None for k in aligned[i]), dtype=bool,
+                                   count=len(rows))
+                if mine.any():
+                    got = one_array(fetched[node].column(i))
+                    pieces.append(got.filter(pa.array(mine)).cast(value_type))
+                    positions.append(rows[mine])
             values = _scatter(pieces, positions, data.num_rows, value_type)
             data = data.set_column(data.schema.get_field_index(c),
                                    pa.field(c, value_type), values)
@@ -310,14 +327,16 @@ class ClusterStore(RemoteStore):
                  and nodes[h.node].get("placement") == self.placement]
         return (local or live)[0]
 
-    def _fetch(self, node: dict[str, Any], keys: list[str], value_type: str) -> pa.Array:
-        ticket = flight.Ticket(json.dumps({"get": {"keys": keys, "type": value_type}}).encode())
+    def _fetch(self, node: dict[str, Any], keys: list[list[str | None]],
+               types: list[str]) -> pa.Table:
+        columns = [{"keys": k, "type": t} for k, t in zip(keys, types)]
+        ticket = flight.Ticket(json.dumps({"get": {"columns": columns}}).encode())
         table = self._node_client(node["location"]).do_get(ticket, self._options()).read_all()
         self.fetch_stats["fetches"] += 1
         self.fetch_stats["bytes"] += table.nbytes
         if self.placement and node.get("placement") == self.placement:
             self.fetch_stats["local_fetches"] += 1
-        return one_array(table.column("value"))
+        return table
 
     def close(self) -> None:
         super().close()

@@ -5,7 +5,8 @@ its DuckDB file, as a single server does. A column declared ``storage: "ref"`` l
 nodes: the coordinator's table keeps a by-value string column of location keys in its place
 (see :mod:`flight_server.cluster.locations`), and the declared type in ``<db>.cluster.json``.
 The coordinator never receives or sends those values; ``cluster`` reports the bytes of Arrow data
-it took in puts and gave out in claims, which tests compare with the values' size.
+its store was given to write and handed out in claims (:class:`CountingStore`), which tests
+compare with the values' size.
 
 Data nodes register (``register_node``) and repeat it as a heartbeat. A node silent for
 ``node_timeout`` seconds, or reported by a client that could not reach it (``report_lost``), is
@@ -20,12 +21,15 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.flight as flight
 
+from store.claims import Claim, ClaimRequest
+from store.embedded import EmbeddedStore
 from store.errors import InvalidArgument, NotFound
 from store.types import is_complex, parse_type, type_name
 
@@ -79,21 +83,48 @@ class ClusterRegistry:
                  "alive": k not in self.lost} for k, v in sorted(self.nodes.items())]
 
 
+class CountingStore(EmbeddedStore):
+    """The coordinator's store: counts the Arrow bytes of the rows it is given to write and of
+    the rows its claims hand out, whichever way they come (do_put, a session, do_action, a
+    subscription): what the ``cluster`` action reports as ``put_bytes`` / ``claim_bytes``."""
+
+    def __init__(self, path: str, **options: Any) -> None:
+        super().__init__(path, **options)
+        self.put_bytes = 0
+        self.claim_bytes = 0
+
+    def put_async(self, table: str, data: Any) -> Future:
+        self.put_bytes += int(getattr(data, "nbytes", 0))
+        return super().put_async(table, data)
+
+    def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
+                   lease_seconds: float | None = None) -> Claim:
+        claim = super().claim_many(requests, consumer=consumer, lease_seconds=lease_seconds)
+        if consumer != SWEEPER:
+            self.claim_bytes += sum(t.nbytes for t in claim.tables.values())
+        return claim
+
+
+_SERVER_OPTIONS = ("host", "port", "tokens_file", "tls_cert", "tls_key", "metrics_port")
+
+
 class CoordinatorServer(ExpstoreFlightServer):
     """An expstore Flight server that is the coordinator of a cluster of data nodes.
 
     Args:
-        db: the DuckDB file (or an open store), as for :class:`ExpstoreFlightServer`.
+        db: the DuckDB file.
         node_timeout: seconds without a heartbeat after which a data node is probed, and
             declared lost if the probe fails.
-        **options: passed to :class:`ExpstoreFlightServer`.
+        **options: passed to :class:`ExpstoreFlightServer` (and its store).
     """
 
-    def __init__(self, db: Any, *, node_timeout: float = 6.0, **options: Any) -> None:
-        super().__init__(db, **options)
+    def __init__(self, db: str, *, node_timeout: float = 6.0, **options: Any) -> None:
+        server = {k: options.pop(k) for k in _SERVER_OPTIONS if k in options}
+        super().__init__(CountingStore(db, **options), **server)
+        self._owns_store = True
         self.registry = ClusterRegistry(f"{self.store.path}.cluster.json")
         self.node_timeout = node_timeout
-        self.cluster_counters = {"put_bytes": 0, "claim_bytes": 0, "dead_lettered": 0}
+        self.cluster_counters = {"dead_lettered": 0}
         self._dead_path = f"{self.store.path}.deadletters.jsonl"
         self._sweep_lock = threading.Lock()
         self._monitor_stop = threading.Event()
@@ -197,7 +228,6 @@ class CoordinatorServer(ExpstoreFlightServer):
                 for location in chunks:
                     if location:
                         nodes.update(h.node for h in parse_key(f"{location}/0")[0])
-        self.cluster_counters["claim_bytes"] += sum(len(p) for p in parts[1:])
         with self.registry.lock:
             header["data_nodes"] = [
                 {"node_id": n, "locations": [self.registry.nodes[n]["location"]],
@@ -205,10 +235,6 @@ class CoordinatorServer(ExpstoreFlightServer):
                  "alive": n not in self.registry.lost}
                 for n in sorted(nodes) if n in self.registry.nodes]
         return [json.dumps(header).encode(), *parts[1:]]
-
-    def _queue_batch(self, answers: Any, index: int, table: str, data: pa.RecordBatch) -> None:
-        self.cluster_counters["put_bytes"] += data.nbytes
-        super()._queue_batch(answers, index, table, data)
 
     # -- registry actions -------------------------------------------------------------------------
     def _action_register_node(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -236,8 +262,11 @@ class CoordinatorServer(ExpstoreFlightServer):
     def _action_cluster(self, body: dict[str, Any]) -> dict[str, Any]:
         check_fields(body, "cluster", ())
         with self.registry.lock:
+            counted = self.store
+            assert isinstance(counted, CountingStore)
             return {"nodes": self.registry.node_list(),
                     "tables": {t: dict(c) for t, c in self.registry.tables.items()},
+                    "put_bytes": counted.put_bytes, "claim_bytes": counted.claim_bytes,
                     **self.cluster_counters}
 
     def _action_report_lost(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -171,9 +171,9 @@ class DataNodeServer(flight.FlightServerBase):
     def do_get(self, context: flight.ServerCallContext,
                ticket: flight.Ticket) -> flight.RecordBatchStream:
         with flight_errors():
-            keys, value_type = _get_ticket(ticket.ticket)
-            values = self.blobs.resolve(keys, value_type)
-            table = pa.table({"value": values})
+            columns = _get_ticket(ticket.ticket)
+            table = pa.table({f"c{i}": self.blobs.resolve(keys, value_type)
+                              for i, (keys, value_type) in enumerate(columns)})
             self.counters["bytes_served"] += table.nbytes
             return flight.RecordBatchStream(table)
 
@@ -229,14 +229,17 @@ def _put_command(descriptor: flight.FlightDescriptor) -> int:
     return int(replicas)
 
 
-def _get_ticket(raw: bytes) -> tuple[list[str], pa.DataType]:
+def _get_ticket(raw: bytes) -> list[tuple[list[str | None], pa.DataType]]:
+    """The columns a do_get asks for: per column, its keys (null: a null value) and type."""
+    expected = ("{\"get\": {\"columns\": [{\"keys\": [\"segment:offset:length:row\" or null, …], "
+                "\"type\": \"<column type>\"}, …]}} with keys lists of one length")
     try:
-        doc = json.loads(raw)["get"]
-        keys, spelling = doc["keys"], doc["type"]
+        columns = json.loads(raw)["get"]["columns"]
+        parsed = [(c["keys"], c["type"]) for c in columns]
     except (ValueError, TypeError, KeyError) as e:
-        raise InvalidArgument(f"data node ticket is invalid ({e}); expected "
-                              "{\"get\": {\"keys\": [\"segment:offset:length:row\", …], "
-                              "\"type\": \"<column type>\"}}") from None
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise InvalidArgument("data node ticket 'keys' must be a list of strings")
-    return keys, parse_type(spelling)
+        raise InvalidArgument(f"data node ticket is invalid ({e}); expected {expected}") from None
+    if not parsed or any(not isinstance(k, list) or not all(x is None or isinstance(x, str)
+                                                            for x in k) for k, _ in parsed) \
+            or len({len(k) for k, _ in parsed}) != 1:
+        raise InvalidArgument(f"data node ticket columns are malformed; expected {expected}")
+    return [(keys, parse_type(spelling)) for keys, spelling in parsed]
