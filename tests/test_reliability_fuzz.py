@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
@@ -38,8 +39,8 @@ CALL_TIMEOUT = 20.0
 TABLES = ("fz", "fz_other")
 CURRENT_VERSION = 3
 MAX_STALENESS = 1
-# The server's pattern (RE2: '.' does not match a newline, '$' is the end of the text).
-SAMPLE_ID = re.compile(r"[^\n]+_[0-9]{1,9}_[0-9]{1,9}")
+# The server's pattern: no control characters, turn and trajectory without leading zeros.
+SAMPLE_ID = re.compile(r"[^\x00-\x1f\x7f-\x9f]+_(0|[1-9][0-9]{0,8})_(0|[1-9][0-9]{0,8})")
 
 
 def _valid_identifier(name: str) -> bool:
@@ -186,6 +187,10 @@ unknown_field = st.from_regex(r"\Azz[a-z_]{0,10}\Z")
 bad_limit = st.one_of(st.integers(max_value=0), st.integers(min_value=100_001), not_an_int)
 bad_seconds = st.one_of(st.floats(max_value=0, allow_nan=False), st.floats(min_value=1e6),
                         st.text(max_size=5), st.booleans(), st.lists(st.integers(), max_size=2))
+# issue #29: a consumer that is not a string (or not a printable name of at most 256 characters)
+bad_consumer = st.one_of(
+    not_a_string.filter(lambda v: v is not None),
+    st.sampled_from(["t\x00", "trainer\n0", "\x1b[2J", "x" * 300]))
 malicious_predicates = st.sampled_from([
     "1=1; DROP TABLE fz", "reward > 0; UPDATE fz SET consumed = true",
     "sample_id IN (SELECT * FROM read_csv('/etc/passwd'))", "getenv('HOME') IS NOT NULL",
@@ -235,6 +240,11 @@ ACTION_BODIES: dict[str, st.SearchStrategy] = {
                                         max_size=2)),
         _set("columns", st.just({"a_status": "bool"})),
         _set("columns", st.just({"sample_id": "string"})),
+        # issue #29: names that differ only in case are one name in SQL
+        _set("columns", st.sampled_from([{"a": "int64", "A": "int64"}, {"Sample_ID": "string"},
+                                         {"Row_Id": "int64"}, {"x": "int64", "X_STATUS": "bool"},
+                                         {"Reward_Status": "bool"}])),
+        _set("name", st.sampled_from(["FZ", "Fz", "FZ_OTHER", "fz_OTHER"])),
         _set("max_staleness", st.one_of(st.integers(max_value=-1), not_an_int)),
         _set("max_deliveries", st.one_of(st.integers(max_value=0), not_an_int)),
         _set("lease_seconds", bad_seconds),
@@ -261,7 +271,8 @@ ACTION_BODIES: dict[str, st.SearchStrategy] = {
                                    not_an_int.filter(lambda v: v is not None))),
         _set("lease_seconds", st.one_of(st.floats(max_value=0, allow_nan=False),
                                         st.floats(min_value=86401), st.text(max_size=4),
-                                        st.lists(st.integers(), max_size=2))),
+                                        st.lists(st.integers(), max_size=2), st.booleans())),
+        _set("consumer", bad_consumer),
     ]),
     "claim_many": _poisoned({"requests": [{"table": "fz", "limit": 2}]}, [
         _extra(), _drop("requests"),
@@ -278,7 +289,9 @@ ACTION_BODIES: dict[str, st.SearchStrategy] = {
                            or not 1 <= r["limit"] <= 100_000 or "where" in r
                            for r in rs))),
         _set("lease_seconds", st.one_of(st.floats(max_value=0, allow_nan=False),
-                                        st.floats(min_value=86401), st.text(max_size=4))),
+                                        st.floats(min_value=86401), st.text(max_size=4),
+                                        st.booleans())),
+        _set("consumer", bad_consumer),
     ]),
     "ack": _poisoned({"claim_id": "0" * 32}, [
         _extra(), _drop("claim_id"), _set("claim_id", not_a_string),
@@ -402,7 +415,8 @@ def bad_batches(draw) -> tuple[str, pa.RecordBatch]:
         "no_sample_id", "extra_column", "meta_column", "wrong_type", "null_sample_id",
         "bad_sample_id", "long_sample_id", "huge_string_bad_id", "nested_lists",
         "future_version", "stale_version", "null_list_type", "duplicate_column",
-        "int_overflow", "status_wrong_type", "version_wrong_type", "sample_id_wrong_type"]))
+        "int_overflow", "status_wrong_type", "version_wrong_type", "sample_id_wrong_type",
+        "lossy_cast", "leading_zero_id", "control_char_id"]))
     if kind == "no_sample_id":
         del rows["sample_id"]
         return kind, _batch(rows)
@@ -429,6 +443,31 @@ def bad_batches(draw) -> tuple[str, pa.RecordBatch]:
         ]))
         rows[column] = values
         return kind, _batch(rows, {column: typ})
+    if kind == "lossy_cast":  # issue #29: a value that would be stored as something else
+        column, values, typ = draw(st.sampled_from([
+            ("reward", [True] * n, pa.bool_()),
+            ("next_agent_id", [i % 2 == 0 for i in range(n)], pa.bool_()),
+            ("response", [1.5 + i for i in range(n)], pa.float64()),
+            ("response", [i for i in range(n)], pa.int64()),
+            ("response", [19000 + i for i in range(n)], pa.date32()),
+            ("next_agent_id", [str(i) for i in range(n)], pa.string()),
+            ("token_ids", [[True, False]] * n, pa.list_(pa.bool_())),
+            ("reward_status", [1] * n, pa.int64()),
+        ]))
+        rows[column] = values
+        return kind, _batch(rows, {column: typ})
+    if kind == "leading_zero_id":  # issue #29: would be a second row of the same trajectory
+        prefix_id = rows["sample_id"][bad_row].rsplit("_", 2)[0]
+        rows["sample_id"][bad_row] = draw(st.sampled_from(
+            [f"{prefix_id}_00_0", f"{prefix_id}_0_00", f"{prefix_id}_01_2",
+             f"{prefix_id}_0_000000007"]))
+        return kind, _batch(rows)
+    if kind == "control_char_id":
+        char = draw(st.sampled_from(["\x00", "\x01", "\t", "\r", "\x1b", "\x7f", "\x85"]))
+        sid = rows["sample_id"][bad_row]
+        at = draw(st.integers(0, len(sid)))
+        rows["sample_id"][bad_row] = sid[:at] + char + sid[at:]
+        return kind, _batch(rows)
     if kind == "null_sample_id":
         rows["sample_id"][bad_row] = None
         return kind, _batch(rows)
@@ -500,8 +539,46 @@ def put_call(descriptor: flight.FlightDescriptor, batch: pa.RecordBatch, kind: s
                           f"rows={batch.slice(0, 3).to_pylist()!r:.400}", run)
 
 
-bad_puts = bad_batches().map(
-    lambda kb: put_call(flight.FlightDescriptor.for_path("fz"), kb[1], kb[0]))
+@st.composite
+def bad_tensor_batches(draw) -> tuple[str, pa.RecordBatch]:
+    """A batch for fz_other (obs: tensor<float32>) with one tensor whose shape and data
+    disagree, or whose dimensions are negative, null or absurd (issue #29)."""
+    n = draw(st.integers(1, 4))
+    bad_row = draw(st.integers(0, n - 1))
+    shapes: list[Any] = [[2, 2]] * n
+    datas: list[Any] = [[1.0, 2.0, 3.0, 4.0]] * n
+    element = pa.float32()
+    kind = draw(st.sampled_from(["disagree", "negative", "absurd", "too_many", "null_dim",
+                                 "null_shape", "bool_data", "overflow"]))
+    if kind == "disagree":
+        shapes[bad_row] = draw(st.lists(st.integers(0, 5), min_size=1, max_size=4).filter(
+            lambda sh: int(np.prod(sh)) != 4))
+    elif kind == "negative":
+        shapes[bad_row] = draw(st.sampled_from([[-2, -2], [-1, 4], [4, -1], [-4]]))
+    elif kind == "absurd":
+        shapes[bad_row], datas[bad_row] = [0, draw(st.integers(2**31, 2**62))], []
+    elif kind == "too_many":
+        shapes[bad_row], datas[bad_row] = [1] * draw(st.integers(33, 80)), [1.0]
+    elif kind == "null_dim":
+        shapes[bad_row] = [2, None]
+    elif kind == "null_shape":
+        shapes[bad_row] = None
+    elif kind == "overflow":
+        shapes[bad_row] = [2**31 - 1] * 4
+    else:
+        element, datas = pa.bool_(), [[True, False, True, False]] * n
+    obs = pa.StructArray.from_arrays([pa.array(shapes, pa.list_(pa.int64())),
+                                      pa.array(datas, pa.large_list(element))],
+                                     names=["shape", "data"])
+    return f"tensor_{kind}", pa.record_batch({
+        "sample_id": pa.array(rh.sample_ids("fuzzt", 0, n)), "obs": obs,
+        "done": pa.array([True] * n)})
+
+
+bad_puts = st.one_of(
+    bad_batches().map(lambda kb: put_call(flight.FlightDescriptor.for_path("fz"), kb[1], kb[0])),
+    bad_tensor_batches().map(
+        lambda kb: put_call(flight.FlightDescriptor.for_path("fz_other"), kb[1], kb[0])))
 
 
 @st.composite
@@ -530,6 +607,13 @@ WRITE_SQL = [
     "WITH x AS (DELETE FROM fz RETURNING *) SELECT * FROM x", "SELECT * FROM nosuchtable",
     "SELECT nosuchcolumn FROM fz", "SELEC 1", "", "   ", "SELECT * FROM sqlite_scan('x', 'y')",
     "BEGIN TRANSACTION", "ROLLBACK", "USE memory", "DETACH main", "SELECT 1 FROM fz WHERE (",
+    # issue #29: what shows the server (settings, secret directories, the database's path)
+    "SELECT * FROM pg_settings", "SELECT * FROM pg_catalog.pg_settings",
+    "SELECT path FROM duckdb_databases", "SELECT * FROM duckdb_databases()",
+    "SELECT * FROM pragma_database_list", "SELECT * FROM duckdb_secrets()",
+    "SELECT install_path FROM duckdb_extensions()", "SELECT * FROM duckdb_logs",
+    "SELECT getvariable('x')", "SELECT current_setting('secret_directory')",
+    "SELECT * FROM fz WHERE sample_id IN (SELECT file FROM pragma_database_list)",
 ]
 
 
@@ -571,7 +655,9 @@ bad_subscribe = _poisoned(VALID_SUBSCRIBE, [
     _set("group_by", st.sampled_from(["reward", "sample_id", "", 7])),
     _set("where", malicious_predicates),
     _set("lease_seconds", st.one_of(st.floats(max_value=0, allow_nan=False),
-                                    st.floats(min_value=86401), st.text(min_size=1, max_size=4))),
+                                    st.floats(min_value=86401), st.text(min_size=1, max_size=4),
+                                    st.booleans())),
+    _set("consumer", bad_consumer),
 ])
 
 
@@ -737,3 +823,69 @@ def test_valid_calls_still_work_after_the_fuzzing(target):
     assert claim.num_rows > 0
     s.ack(claim.claim_id)
     assert s.stats("fz")["fz"]["ready"] == 0
+
+
+# -- issue #29: each bad input found by outside testing, once, deterministically ------------------
+def _issue_29_calls() -> dict[str, Call]:
+    calls: dict[str, Call] = {}
+    for label, body in [
+        ("claim lease_seconds true", {"table": "fz", "limit": 1, "lease_seconds": True}),
+        ("claim consumer 5", {"table": "fz", "limit": 1, "consumer": 5}),
+        ("claim consumer with a NUL", {"table": "fz", "limit": 1, "consumer": "t\x00"}),
+        ("claim_many lease_seconds false", {"requests": [{"table": "fz", "limit": 1}],
+                                            "lease_seconds": False}),
+        ("claim escaping predicate", {"table": "fz", "limit": 1,
+                                      "where": "reward > 0) LIMIT (1"}),
+        ("claim predicate reading the server", {"table": "fz", "limit": 1, "where":
+                                                "(SELECT count(*) FROM pg_settings) > 0"}),
+    ]:
+        calls[label] = action_call("claim_many" if "requests" in body else "claim", body)
+    for label, body in [
+        ("table EXP beside exp", {"name": "FZ", "columns": {"a": "int64"}}),
+        ("columns a and A", {"name": "brand_new", "columns": {"a": "int64", "A": "int64"}}),
+        ("column Sample_ID", {"name": "brand_new", "columns": {"Sample_ID": "string"}}),
+        ("column Row_Id", {"name": "brand_new", "columns": {"Row_Id": "int64"}}),
+        ("column X_STATUS", {"name": "brand_new", "columns": {"x": "int64", "X_STATUS": "bool"}}),
+    ]:
+        calls[label] = action_call("create_table", body)
+    rows = valid_rows("issue", 2)
+    for label, column, values, typ in [
+        ("int to bool", "done", [2, 0], pa.int64()),
+        ("bool to float", "reward", [True, False], pa.bool_()),
+        ("float to string", "response", [1.5, 2.5], pa.float64()),
+        ("date to string", "response", [1, 2], pa.date32()),
+        ("bool to int", "next_agent_id", [True, False], pa.bool_()),
+    ]:
+        table = "fz_other" if column == "done" else "fz"
+        batch = (pa.record_batch({"sample_id": ["issue0_0_0", "issue1_0_0"],
+                                  column: pa.array(values, typ)}) if table == "fz_other"
+                 else _batch({**rows, column: values}, {column: typ}))
+        calls[f"put {label}"] = put_call(flight.FlightDescriptor.for_path(table), batch, label)
+    for label, sid in [("leading zeros", "issue0_00_0"), ("control character", "issue\x1b_0_0")]:
+        calls[f"put sample id with {label}"] = put_call(
+            flight.FlightDescriptor.for_path("fz"),
+            _batch({**rows, "sample_id": [rows["sample_id"][0], sid]}), label)
+    for label, shape, data in [("shape and data disagree", [2, 3], [1.0] * 5),
+                               ("negative dimensions", [-2, -3], [1.0] * 6),
+                               ("absurd dimension", [0, 2**40], [])]:
+        obs = pa.StructArray.from_arrays([pa.array([shape], pa.list_(pa.int64())),
+                                          pa.array([data], pa.large_list(pa.float32()))],
+                                         names=["shape", "data"])
+        calls[f"put tensor {label}"] = put_call(
+            flight.FlightDescriptor.for_path("fz_other"),
+            pa.record_batch({"sample_id": ["issuet_0_0"], "obs": obs}), label)
+    calls["subscribe lease_seconds true"] = exchange_call(flight.FlightDescriptor.for_command(
+        json.dumps({"subscribe": {**VALID_SUBSCRIBE, "lease_seconds": True}}).encode()))
+    calls["subscribe consumer 5"] = exchange_call(flight.FlightDescriptor.for_command(
+        json.dumps({"subscribe": {**VALID_SUBSCRIBE, "consumer": 5}}).encode()))
+    return calls
+
+
+@pytest.mark.parametrize("case", list(_issue_29_calls()))
+def test_issue_29_inputs_are_refused_with_a_typed_code(target, case):
+    """Each is the caller's mistake: a code a client does not retry (never storage_error)."""
+    code = check_call(target, _issue_29_calls()[case])
+    expected = ("already_exists" if "beside" in case else "query_refused" if "predicate" in case
+                else "invalid_argument" if case.startswith(("claim", "subscribe", "column"))
+                or "sample id" in case else "schema_mismatch")
+    assert code == expected, f"{case}: {code}"
