@@ -132,9 +132,11 @@ def predicate_query(table: str, where: object) -> str:
     The predicate is spliced into SQL text, so the guard checks that text, not the predicate
     alone: the query must be one read-only SELECT (:func:`check_select`), and its syntax tree
     must be the template's with exactly one expression, the predicate parsed on its own, in the
-    predicate's place. ``reward > 0) OR (1=1`` is one expression on its own but closes the
-    parenthesis around it in the query, so it is refused; so is anything else that changes the
-    query around the predicate (a ``?``, a second column, a ``FROM``).
+    predicate's place. Text that changes the query around the predicate is refused (``reward >
+    0) LIMIT (1``, a second column, a ``FROM``, a ``?``); ``reward > 0) OR (1=1`` stands as the
+    one expression ``(reward > 0) OR (1=1)``, which is what it means on its own. (The predicate
+    sits in a select list, not beside ``AND`` in a WHERE clause, because DuckDB flattens nested
+    ``AND``s: there, ``a) AND (b`` and ``a AND b`` give the same tree.)
 
     Raises:
         QueryRefused: naming the predicate and what was expected.
@@ -183,7 +185,7 @@ def _tree(sql: str, where: str) -> dict[str, Any]:
 
 
 def _plain(node: Any) -> Any:
-    """A syntax tree without source positions (and, at its root, without an alias)."""
+    """A syntax tree without source positions."""
     if isinstance(node, dict):
         return {k: _plain(v) for k, v in node.items() if k not in _LOCATION_KEYS}
     if isinstance(node, list):
