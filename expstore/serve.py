@@ -46,10 +46,10 @@ def metrics_available() -> bool:
 def tune_gc() -> None:
     """Collect garbage less often in a server process.
 
-    The server's heap is mostly the long-lived index of live rows (one object per row); with
-    Python's default threshold a collection runs every 700 allocations, i.e. several times per
-    bulk put, and its older generations walk that whole index (about 5 ms of every 4,096-row
-    put, measured). Freezing what exists after start-up and a larger young generation keep the
+    The server's heap is mostly the long-lived index of live rows (a dict entry per row, and an
+    object per row outside a bulk put's block, store/live.py); with Python's default threshold a
+    collection runs every 700 allocations, i.e. several times per bulk put, and its older
+    generations walk that whole index (a measurable share of every bulk put). Freezing what exists after start-up and a larger young generation keep the
     collector for what it is for, cycles among short-lived objects.
     """
     gc.freeze()

@@ -1,8 +1,9 @@
 """Row-range reads of blob chunks: a claim of a few rows reads and checks only their bytes.
 
-Why: a chunk holds one column of a whole put (a 1,024-row put of 40 KB rows makes 4 MB chunks).
-Reading a chunk whole, checksumming it and taking a few rows out of it is what reading
-by-reference values cost before this format: a claim of 16 rows read its put's whole columns.
+Why: a chunk holds one column of a whole put (a 1,024-row put of a column of 4 KB values makes a
+4 MB chunk). Reading a chunk whole, checksumming it and taking a few rows out of it is what
+reading by-reference values cost before this format: a claim of 16 rows read its put's whole
+columns.
 
 A format-3 chunk is the 16-byte header, the column's Arrow IPC stream (unchanged), then an
 *index*: ``b"EXB3"``, the index's length (u32), the index's XXH3-64 (u64), all little-endian::

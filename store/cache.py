@@ -2,18 +2,18 @@
 need no DuckDB read.
 
 Why a bound: every put's values stayed cached until their rows were consumed, so a server whose
-producers outran its trainers grew by each backlog row's values (a soak reached 4.9 GB with DuckDB
-capped at 1 GB). Now a put's values are cached only while the cache holds less than its limit;
-rows put past it are claimed from DuckDB (the claim that reads them reads the next ready rows'
-values too, see ``EmbeddedStore._read_values``), and the cache fills again as the backlog drains.
-Rows that the put log holds and DuckDB does not yet have are always cached (DuckDB cannot serve
-them); once applied to DuckDB, they leave the cache if it is over its limit (see
-``Writer._logged_committed``).
+producers outran its trainers grew by each backlog row's values (a soak's server grew far past
+DuckDB's memory limit; docs/reliability.md, section 4). Now a put's values are cached only while
+the cache holds less than its limit; rows put past it are claimed from DuckDB (the claim that
+reads them reads the next ready rows' values too, see ``EmbeddedStore._read_values``), and the
+cache fills again as the backlog drains. Rows that the put log holds and DuckDB does not yet
+have are always cached (DuckDB cannot serve them); once applied to DuckDB, they leave the cache
+if it is over its limit (see ``Writer._logged_committed``).
 
 What is counted is the Arrow tables the cache refers to (a put's batch, or rows read back from
 DuckDB), by the size of the buffers they hold (a slice holds its whole buffer; ``nbytes``, which
-counts only the sliced part, took ~37 µs for a 20-column table against ~1 µs), from when the
-cache takes one until the table is freed (its last row consumed or evicted): a
+counts only the sliced part, costs many times as much as that on a table of store width), from
+when the cache takes one until the table is freed (its last row consumed or evicted): a
 ``weakref.finalize`` gives the bytes back, so no code path has to remember to.
 """
 from __future__ import annotations

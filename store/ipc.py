@@ -1,7 +1,7 @@
 """Arrow IPC streams put together from serialized messages.
 
-A stream writer (``pa.ipc.new_stream``) costs ~7 µs of set-up per stream, more than the messages
-of a one-row table; claim answers and put-log records are written once per call on the hot path.
+A stream writer (``pa.ipc.new_stream``) costs more to set up than writing the messages of a
+one-row table; claim answers and put-log records are written once per call on the hot path.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The in-memory index of live rows, which serves claims without touching DuckDB.
 
-Why: a DuckDB ``UPDATE … RETURNING`` claim takes ~4 ms and two threads claiming at once conflict.
+Why: a claim as a DuckDB ``UPDATE … RETURNING`` costs a whole write transaction, and two threads
+claiming at once conflict.
 A lease is soft state (a server restart voids it), so claims are served from memory: the writer
 keeps, for every *live* row (not consumed, stale or dead), its status bits and state, and an ordered
 index of ready rows. DuckDB stays the durable record; this index is rebuilt from it on open.
@@ -85,20 +86,20 @@ class Lease:
 class RowBlock:
     """The ready rows of one bulk put, kept as columns until a claim or a write touches them.
 
-    Why: building a :class:`Row` per row was half of what a bulk put cost the server (~1.1 µs a
-    row on the writer thread, under the index lock). A block costs one dict entry per row
+    Why: building a :class:`Row` per row was a large share of what a bulk put cost the server
+    (on the writer thread, under the index lock). A block costs one dict entry per row
     (``LiveTable.rows`` maps each of its keys to the block) and one entry per group; a group's rows
     become objects when the group is first read (:meth:`LiveTable._materialise`).
 
     The rows of group ``g`` (``group_keys[g]``) are ``order[starts[g]:starts[g + 1]]``: arrays
     for the block, not a list per group (nor a list and a tuple per group in ``_Group``), because
     every container that outlives a young collection counts toward Python's next full one, which
-    walks the whole ready-row index. Embedded bulk puts of 2.6 M rows: 13 -> 8 full collections,
-    1.6 -> 0.8 s of 13-15 s. The per-row columns (row ids, turns, trajectory ids, status masks,
-    group numbers, the order) are numpy arrays, not lists of ints: a full collection visits every
-    item of a list and none of an array, and an array costs 4-8 bytes a row where a list costs 8
-    plus an int object for each value over 256 (row ids, positions). A row's input id is its
-    group's (``group_keys[codes[i]]``), not a string per row.
+    walks the whole ready-row index: with flat arrays, embedded bulk puts ran fewer full
+    collections and spent less time in them. The per-row columns (row ids, turns, trajectory
+    ids, status masks, group numbers, the order) are numpy arrays, not lists of ints: a full
+    collection visits every item of a list and none of an array, and an array costs 4-8 bytes a
+    row where a list costs 8 plus an int object for each value over 256 (row ids, positions). A
+    row's input id is its group's (``group_keys[codes[i]]``), not a string per row.
     """
 
     __slots__ = ("keys", "row_ids", "turns", "trajs", "masks", "codes", "payload",

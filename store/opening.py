@@ -17,8 +17,8 @@ def duckdb_threads() -> int:
     Why not all: the store's own threads (the writer, the server's gRPC threads receiving
     batches, the blob writes) need a core too, and most of DuckDB's work here is small
     transactions that gain nothing from waking a worker. On 2 cores, one DuckDB thread instead
-    of two put narrow rows through the server 5–14 % faster and one-sample puts 0.2–0.7 ms
-    sooner (alternated runs).
+    of two put narrow rows through the server faster and answered one-sample puts sooner
+    (alternated runs; the figures are in docs/bench/history.md).
     """
     configured = _configured_threads()
     return configured if configured is not None else max(1, _cores() - 1)
@@ -44,9 +44,10 @@ def run_checkpoint(con: duckdb.DuckDBPyConnection) -> None:
     back its usual threads.
 
     Why every core: a checkpoint compresses the rows committed to the WAL into the database
-    file, column by column, which DuckDB spreads over its threads (narrow rows on 2 cores: 1.33
-    µs a row with one thread, 0.69 with two); and nothing else needs the core meanwhile, since
-    the writer's own transactions wait for a checkpoint. ``threads`` is a global setting.
+    file, column by column, which DuckDB spreads over its threads (on 2 cores a checkpoint of
+    narrow rows runs markedly faster on two threads than on one); and nothing else needs the
+    core meanwhile, since the writer's own transactions wait for a checkpoint. ``threads`` is a
+    global setting.
     """
     usual = duckdb_threads()
     threads = _configured_threads() or _cores()
@@ -71,9 +72,9 @@ def duckdb_config(memory_limit: str | None) -> dict[str, Any]:
 
     External access stays off for the whole database so that no query can read files, attach
     databases or load extensions, whatever the SQL guard lets through. DuckDB's automatic
-    checkpoint is pushed out: the writer checkpoints when idle, or when the WAL reaches 512 MB,
-    between two groups and on every core (see writer.py); DuckDB's own, at twice that, is left
-    for a checkpoint the writer could not run.
+    checkpoint is pushed out: the writer checkpoints when idle, or when the WAL reaches
+    ``StoreSettings.wal_checkpoint_bytes``, between two groups and on every core (see writer.py);
+    DuckDB's own, at a threshold above that, is left for a checkpoint the writer could not run.
     """
     config: dict[str, Any] = {
         "enable_external_access": False,

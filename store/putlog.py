@@ -1,13 +1,14 @@
 """The put log: small fresh puts, acks and version bumps are durable here before DuckDB has them.
 
-Why: a one-row ``INSERT`` into an experience table costs ~1 ms of DuckDB's CPU (~25 µs per column
-of the 29-column layout) and its ``COMMIT`` another ~0.8–1.4 ms; an ack's ``UPDATE`` ~1.4 ms and a
-bump's two statements ~1.1 ms, each with its own ``BEGIN``/``COMMIT``. Appending the same change to
-a file and fsyncing it takes ~0.1 ms here. So the writer appends such a group to this log, fsyncs
-it and acknowledges it (memory changes as after a commit); it applies the logged changes to DuckDB
+Why: a one-row ``INSERT`` into an experience table costs DuckDB CPU that grows with the table's
+width, and its ``COMMIT`` about as much again; an ack's ``UPDATE`` and a bump's two statements
+cost about as much, each with its own ``BEGIN``/``COMMIT``. Appending the same change to a file
+and fsyncing it takes a small fraction of that (the figures: docs/bench/history.md, "The round of
+2026-11-24 01:18: the put log"). So the writer appends such a group to this log, fsyncs it and
+acknowledges it (memory changes as after a commit); it applies the logged changes to DuckDB
 later, many in one statement, at the start of its next DuckDB transaction (and at the latest
-``settings.materialize_delay`` after the first, see writer.py). Every read of DuckDB waits for that, so SQL
-sees every acknowledged change.
+``settings.materialize_delay`` after the first, see writer.py). Every read of DuckDB waits for
+that, so SQL sees every acknowledged change.
 
 The file ``<database>.putlog`` holds the changes logged since the last materialization: records
 of a 32-byte header (magic, header length, body length, XXH3-64 of both), a JSON header (the kind
@@ -116,8 +117,8 @@ class PutLog:
         The cut becomes durable with the next append, or with :meth:`sync_cut`, which the writer
         calls before any other DuckDB commit. Until then a crash may leave the records, which
         replay to what DuckDB has already (applying a record twice changes nothing) as long as
-        no other commit came after them. An fsync of its own here cost ~1–3 ms per
-        materialization, more than the appends it follows.
+        no other commit came after them. An fsync of its own here cost more per
+        materialization than the appends it follows.
         """
         if self.size:
             os.ftruncate(self._fd, 0)
@@ -186,16 +187,16 @@ def apply_records(con: duckdb.DuckDBPyConnection, records: list[Record],
     ``tables`` are skipped (dropped since). ``replaying``: after a crash, when DuckDB may have
     some of the rows already. Returns the rows inserted.
 
-    One statement per kind and table, not one per record (a statement costs ~1 ms; records
-    alternate when acks and puts interleave), in an order that gives what the log order gives:
+    One statement per kind and table, not one per record (each statement has a fixed cost far
+    above a record's; records alternate when acks and puts interleave), in an order that gives what the log order gives:
     first the inserts (every other change is of rows inserted before it, and a row is inserted
     once), then the acks (each row once: a consumed row is never claimed again), then the lease
     bookkeeping (the last entry of a row wins; it never touches a consumed row, so an ack
     logged after it wins either way: it writes the lease columns a consumed row keeps), then
     the bumps in order (they mark rows stale with an OR, as lease bookkeeping does).
     """
-    # Per table, its rows grouped by schema (compared with equals: hashing a schema of the
-    # store's ~30 columns costs ~25 µs, more than a third of an apply of one-row puts).
+    # Per table, its rows grouped by schema (compared with equals: hashing a schema as wide as
+    # a store table's, once per record, was a large part of an apply of one-row puts).
     inserts: dict[str, list[tuple[pa.Schema, list[pa.Table]]]] = {}
     acks: dict[str, list[pa.Table]] = {}
     leases: dict[str, list[pa.Table]] = {}
@@ -238,7 +239,7 @@ def apply_records(con: duckdb.DuckDBPyConnection, records: list[Record],
 
 
 def _one(parts: list[pa.Table]) -> pa.Table:
-    """One table of one chunk: DuckDB scans a table of many one-row chunks ~5x slower."""
+    """One table of one chunk: DuckDB scans a table of many one-row chunks far slower."""
     return parts[0] if len(parts) == 1 else pa.concat_tables(parts).combine_chunks()
 
 

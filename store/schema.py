@@ -242,8 +242,8 @@ class TableDef:
         # No PRIMARY KEY on (sample_id, policy_version): the writer thread, the only path to the
         # table, keeps keys unique itself (it decides new vs existing from the live and terminal
         # indexes, or asks DuckDB; see Writer._classify). DuckDB's key index made every insert
-        # ~40 % slower (store layout, 32 k-row commits: 490-540 k -> 835-860 k rows/s without
-        # it) and DuckDB 2.0 does not use a two-column index for the writer's lookups anyway.
+        # markedly slower (docs/bench/history.md, "The round of 2026-11-24 10:10") and DuckDB 2.0
+        # does not use a two-column index for the writer's lookups anyway.
         # Tables made with the key by earlier versions keep it; both work the same.
         return f"CREATE TABLE {quote(self.name)} (\n  " + ",\n  ".join(parts) + "\n)"
 

@@ -127,7 +127,8 @@ def constant_bools(value: bool, n: int) -> pa.BooleanArray:
     """``n`` times ``value``, as a slice of a shared array where ``n`` is small.
 
     Why: a one-sample put fills a written flag and a status column per data column; building
-    each from a Python list cost ~6 µs, a slice ~0.5 µs. Arrays are immutable, so sharing is safe.
+    each from a Python list costs many times what a slice of a shared array does. Arrays are
+    immutable, so sharing is safe.
     """
     return _BOOLS[value].slice(0, n) if n <= 1024 else pa.array(np.full(n, value))
 
@@ -135,7 +136,8 @@ def constant_bools(value: bool, n: int) -> pa.BooleanArray:
 def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
     """A column as one Array, without a copy when it already is one chunk.
 
-    Why: ``ChunkedArray.combine_chunks`` copies even a single chunk (~1.8 ms per 12 MB column).
+    Why: ``ChunkedArray.combine_chunks`` copies even a single chunk, a cost that grows with the
+    column's bytes.
     The result shares its buffers with ``column``: where it is kept (a put's prepared columns),
     the copy is what frees the rest of the source (see ``prepare._as_type``).
     """

@@ -104,8 +104,8 @@ def _for_saving(t: torch.Tensor) -> torch.Tensor:
 
     A device tensor's copy to the host is already new; a host tensor is saved as it is (no
     snapshot needed: ``torch.save`` has written it before the publish returns), unless it is a
-    view, whose whole storage ``torch.save`` would write. A 44 M-parameter model's state once took
-    a second copy of ~250 ms here.
+    view, whose whole storage ``torch.save`` would write. Copying every host tensor as well would add
+    a second copy of the whole state to every publish, for nothing.
     """
     t = t.detach()
     if t.device.type != "cpu":
