@@ -30,9 +30,8 @@ _SAMPLE_ID = re.compile(SAMPLE_ID_PATTERN.removeprefix("^").removesuffix("$"))
 #: Writes of at most this many rows are small: the writer thread prepares them (many at once).
 SMALL_ROWS = 16
 #: Batches of at most this many rows are prepared without compute kernels (Python lists): that
-#: is faster up to a few hundred rows (1 row: 0.12 against 0.34 ms; 32 rows, what the writer
-#: merges from many producers' one-sample puts: 0.14 against 0.35; 256: 0.32 against 0.42; 1,024:
-#: 0.96 against 0.63).
+#: is faster up to a few hundred rows, which covers the batches the writer merges from many
+#: producers' one-sample puts; by a thousand rows the kernels are faster.
 FAST_PREPARE_ROWS = 256
 
 
@@ -185,8 +184,8 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
     if sid.null_count:
         raise InvalidArgument("sample_id is null in some rows; every row needs one")
     too_long = pc.any(pc.greater(pc.utf8_length(sid), MAX_SAMPLE_ID)).as_py()
-    # Matching, then cutting at the last two underscores, costs a third of extracting the
-    # pattern's groups (0.5 against 1.4 ms for 4,096 ids); a matching id has exactly those parts.
+    # Matching, then cutting at the last two underscores, costs much less than extracting the
+    # pattern's groups; a matching id has exactly those parts.
     valid = pc.match_substring_regex(sid, SAMPLE_ID_PATTERN)
     if not pc.all(valid).as_py() or too_long:
         bad = next(s for s, ok in zip(sid.to_pylist(), valid.to_pylist())
@@ -247,9 +246,10 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
 
 def _prepare_small(tdef: TableDef, table: pa.Table, names: list[str], current_version: int,
                    ref_threshold: int) -> PreparedPut | None:
-    """:func:`prepare_put` for a few rows without compute kernels (a one-row put: ~0.1 ms
-    instead of ~0.6 ms). Gives exactly the general path's result, or None where that path must
-    decide (any unusual input, and every error: the general path raises it)."""
+    """:func:`prepare_put` for a few rows without compute kernels, whose fixed cost per call
+    outweighs their speed on so few values. Gives exactly the general path's result, or None
+    where that path must decide (any unusual input, and every error: the general path raises
+    it)."""
     n = table.num_rows
     sid = _as_type(table, "sample_id", pa.large_string())
     if sid.null_count:
@@ -373,8 +373,8 @@ def _as_type(table: pa.Table, name: str, target: pa.DataType, *,
 
     Why the copy (``combine_chunks`` copies even one chunk): a batch the server receives is one
     buffer with every column in it, and a column kept without a copy (in the cache of claimable
-    values) keeps all of it alive, large values included: without it, ingesting wide rows ran at
-    half the speed while the server's memory grew by each batch. Values stored by reference are
+    values) keeps all of it alive, large values included: without it, ingesting wide rows ran
+    far slower while the server's memory grew by each batch. Values stored by reference are
     copied once, into their chunk, not first into buffers of their own as well.
     """
     col = table.column(name)
@@ -430,7 +430,7 @@ def _split(name: str, values: pa.Array, storage: str,
         return _owned(values), null_index, None
     if count == n:
         # Every row by reference (wide rows): serialise the values as they are, no copy by
-        # ``take`` (~1 ms/MB) and no if_else over them to null them inline.
+        # ``take`` (it copies every byte) and no if_else over them to null them inline.
         index = np.arange(n, dtype=np.int64)
         return (pa.nulls(n, values.type), pa.array(index, mask=index < 0),
                 serialize_chunk_buffer(values))
