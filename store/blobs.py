@@ -1,18 +1,21 @@
 """The blob store: complex values stored by reference, in append-only Arrow IPC segments.
 
-Why: DuckDB ingests wide rows by value at ~18 MB/s on these machines, while appending Arrow IPC to
-a file runs at ~900 MB/s. So the writer serialises each ref column of a put as one Arrow IPC
-stream (a *chunk*), appends the chunks of a whole group commit to the current segment, fsyncs
-once, and only then commits the keys to DuckDB. A key is ``"{segment}:{offset}:{length}:{row}"``.
+Why: DuckDB ingests wide rows by value at a small fraction of the rate at which a file takes
+appended Arrow IPC (BENCHMARKS.md measures DuckDB's wide insert by value and the disk's writes).
+So the writer serialises each ref column of a put as one Arrow IPC stream (a *chunk*), appends
+the chunks of a whole group commit to the current segment, fsyncs once, and only then commits
+the keys to DuckDB. A key is ``"{segment}:{offset}:{length}:{row}"``.
 
 A chunk is a 16-byte header, then the IPC stream: ``b"EXB2"``, four zero bytes, the stream's
 XXH3-64 (little-endian). Arrow IPC has no checksum of its own; without one, damaged bytes that
 still parse (text overwritten by other text) would be served as values. Chunks written before
 this header (format 1) start with the stream's CRC-32 instead, directly followed by the stream,
 whose first four bytes are IPC's continuation marker ``0xFFFFFFFF``; bytes 4–8 tell the two
-formats apart, and both are read. XXH3 replaced CRC-32 because checksumming was about a tenth
-of the server's CPU for wide rows: CRC-32 runs at 3–4 GB/s here, XXH3 at ~18 GB/s (GIL
-released).
+formats apart, and both are read. Where a column's type allows reading rows alone, a chunk is
+written in format 3 instead (``b"EXB3"``, a row index after the stream; see
+:mod:`store.blob_rows`). XXH3 replaced CRC-32 because checksumming was a noticeable share of
+the server's CPU for wide rows: XXH3 hashes several times faster than CRC-32, and releases the
+GIL while it does.
 
 Segments live in a directory beside the database by default; any ``pyarrow.fs.FileSystem`` (S3,
 GCS, a sub-tree) can be given instead, in which case each group commit writes one immutable
@@ -70,8 +73,8 @@ DIRECT_MIN_BYTES = 64 << 10         # smaller group commits are written buffered
                                     # no faster either way there)
 STAGING_BYTES = 16 << 20            # the page-aligned buffer O_DIRECT writes go through
 # Chunks from this size on are written by O_DIRECT straight from their own memory, each at an
-# aligned offset with up to 4 KiB of zero padding after it. Why: copying 50 MB through the
-# staging buffer held the GIL for ~10 ms and made the write ~60 % longer (36 vs 22 ms here).
+# aligned offset with up to 4 KiB of zero padding after it. Why: copying a large chunk through
+# the staging buffer holds the GIL for the whole copy and made the write markedly longer.
 IN_PLACE_MIN_BYTES = 64 << 10
 _IOV_MAX = 1024                     # buffers per pwritev call (Linux's IOV_MAX)
 INDEX_CACHE = 4096                  # format-3 chunk indexes kept parsed (a few KB each)
