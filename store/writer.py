@@ -1,15 +1,15 @@
 """The writer thread: the one owner of DuckDB writes, committing in groups.
 
 Why one owner: DuckDB gives write-write conflicts when two connections update the same table, and
-one small transaction costs ~1.6 ms. So every durable change (puts, acks, nacks, version bumps,
-DDL, lease bookkeeping) is queued here; the thread takes everything waiting, runs it in ONE
-transaction (its blob chunks written and fsynced before the COMMIT), commits, then applies the
-effects to the in-memory index and answers each caller. A caller's future resolves only after
-the commit, so a returned write is durable.
+a small transaction costs far more than the change it carries. So every durable change (puts,
+acks, nacks, version bumps, DDL, lease bookkeeping) is queued here; the thread takes everything
+waiting, runs it in ONE transaction (its blob chunks written and fsynced before the COMMIT),
+commits, then applies the effects to the in-memory index and answers each caller. A caller's
+future resolves only after the commit, so a returned write is durable.
 
-A group of only fresh puts (up to 4,096 rows), acks and a bump is made durable in the put log
-instead (an append and an fsync; see store/putlog.py) and applied to DuckDB, in log order, at the
-start of the next DuckDB transaction.
+A group of only fresh puts (up to ``settings.log_put_rows`` rows), acks and a bump is made
+durable in the put log instead (an append and an fsync; see store/putlog.py) and applied to
+DuckDB, in log order, at the start of the next DuckDB transaction.
 
 If a group fails, each operation is retried alone so that one bad operation fails only its caller.
 If DuckDB itself cannot be written (a full disk; a failed checkpoint invalidates the database),
@@ -71,7 +71,7 @@ class PutOp(Op):
 class SmallPutOp(Op):
     """A write of a few rows whose columns were checked, not yet its values.
 
-    Why: a one-sample put costs ~0.2 ms of Python to prepare and the same for 64 rows at once;
+    Why: preparing a one-sample put costs about as much Python as preparing 64 rows at once;
     with many producers, preparing each on its own thread also starves the writer of the GIL.
     The writer prepares runs of consecutive small puts to one table as one batch.
     """
@@ -139,7 +139,8 @@ class _Txn:
         self.applies: list[Callable[[], None]] = []
         self._new_rows: dict[str, dict[tuple[str, int], int]] = {}  # table -> key -> row id
         # Bulk puts' new keys (keys, first row id), put into _new_rows only if another put of
-        # the transaction asks: building a dict of 262,144 keys costs ~30 ms, ~6 % of the put.
+        # the transaction asks: building a dict of a bulk put's keys is a noticeable share of
+        # the put.
         self._new_runs: dict[str, list[tuple[list[tuple[str, int]], int]]] = {}
         self.next_row_id: dict[str, int] = {}
         # Rows that became ready without their values at hand (partial writes): their payload is
@@ -242,8 +243,8 @@ class Writer:
         """Ask for a flush of lease bookkeeping within settings.lease_flush_delay (never blocks)."""
         if self._flush_due is None:
             self._flush_due = time.monotonic() + self._settings.lease_flush_delay
-            # An idle writer sleeps until the next lease expiry or checkpoint (up to 2 s): wake
-            # it to sleep until the flush is due instead.
+            # An idle writer sleeps until the next lease expiry or checkpoint (at most
+            # settings.checkpoint_idle_seconds): wake it to sleep until the flush is due instead.
             self._queue.put(_WAKE)
 
     def materialize(self) -> None:
@@ -494,8 +495,8 @@ class Writer:
         not when DuckDB's WAL threshold happens to trip in the middle of a producer's put. Why on
         a thread of their own: a put, ack or bump that arrives meanwhile (a trainer's bump after
         seconds of training) goes to the put log at once instead of waiting for the checkpoint
-        (~10-20 ms for a small WAL, seconds for a large one). The writer's own DuckDB
-        transactions wait for it (see _checkpoint_finished).
+        (long next to a write even for a small WAL, seconds for a large one). The writer's own
+        DuckDB transactions wait for it (see _checkpoint_finished).
         """
         if self._fault is not None or self._checkpoint_running() or \
                 not self._dirty_since_checkpoint or \
@@ -507,10 +508,10 @@ class Writer:
         """Start a CHECKPOINT, on every core, once DuckDB's WAL holds settings.wal_checkpoint_bytes.
 
         Why not DuckDB's own threshold: under sustained ingest (no idle time) DuckDB checkpoints
-        inside the COMMIT that crosses it, on its one thread: a put of 262,144 narrow rows took
-        ~5 s instead of 0.5 every ~3 M rows, and every write waited behind it. Here the same
-        checkpoint runs on the checkpoint thread with every core (half the time on 2 cores),
-        as an idle one does: meanwhile puts, acks and bumps that the put log takes go on.
+        inside the COMMIT that crosses it, on its one thread: every few million rows one bulk put
+        took many times as long as the others, and every write waited behind it. Here the same
+        checkpoint runs on the checkpoint thread with every core (so it ends sooner), as an idle
+        one does: meanwhile puts, acks and bumps that the put log takes go on.
         """
         if self._fault is not None or not self._wal_may_be_full or self._checkpoint_running():
             return
@@ -862,9 +863,8 @@ class Writer:
     def _start_blob_write(self, txn: _Txn, ops: list[Op]) -> Future | None:
         """Stage the chunks of the group's puts; when they are large, start writing them.
 
-        Why: for wide rows, writing and fsyncing a group's chunks (~45 ms per 50 MB here) and
-        inserting its rows (~25 ms per 4,096 rows) ran one after the other and took most of the
-        writer's time. DuckDB and the blob write both release the GIL, and the COMMIT only has
+        Why: for wide rows, writing and fsyncing a group's chunks and inserting its rows ran one
+        after the other and together took most of the writer's time. DuckDB and the blob write both release the GIL, and the COMMIT only has
         to wait for the chunks to be durable, not start after them. A group with
         maintenance (CallOp: GC rolls and deletes segments) writes its chunks inline.
         """
@@ -989,8 +989,10 @@ class Writer:
                 txn.logged.append(("rows", {"table": tname},
                                    _as_inserted(new_rows, inserted, current)))
             elif new_rows.num_rows <= self._settings.values_insert_rows and _bindable(new_rows, sources):
-                # A few rows: one parametrised INSERT … VALUES costs half of register +
-                # INSERT … SELECT + unregister; the same expressions, with parameters.
+                # A few rows: one parametrised INSERT … VALUES costs less than register +
+                # INSERT … SELECT + unregister, whose cost is the same whatever the rows (from a
+                # handful of rows on, the registered table wins); the same expressions, with
+                # parameters.
                 one = "(" + ", ".join(e.format("?") for _, e, _ in inserted) + ")"
                 by_col = [new_rows.column(src).to_pylist() for src in sources]
                 params = [col[r] for r in range(new_rows.num_rows) for col in by_col]
@@ -1048,8 +1050,8 @@ class Writer:
                     values[col.ref] = physical.column(col.ref)
             for col in tdef.columns:
                 values[col.status] = _or(physical.column(col.status), _FALSE)
-            # The columns have the cache's types already (a cast of the table cost ~0.15 ms a
-            # put, most of a one-row put's Python in the writer after its INSERT).
+            # The columns have the cache's types already (a cast of the table was most of a
+            # one-row put's Python in the writer after its INSERT).
             schema = live.payload_schema
             payload = pa.Table.from_arrays([values[f.name] for f in schema], schema=schema)
             if txn.logged is not None:  # DuckDB cannot serve these rows before the log is applied
@@ -1367,8 +1369,8 @@ def _all_fresh(live: LiveTable, txn_rows: dict[tuple[str, int], int],
     """Whether every key is new: not live, not new earlier in this transaction, not a remembered
     terminal row (False without a terminal index: DuckDB must be asked).
 
-    Why: a bulk put's keys are all new, and set operations check 4,096 of them in ~0.2 ms against
-    ~2 ms for the per-key loop of :meth:`Writer._classify`.
+    Why: a bulk put's keys are all new, and set operations check them many times faster than the
+    per-key loop of :meth:`Writer._classify`.
     """
     terminal = live.terminal
     if terminal is None or not live.rows.keys().isdisjoint(keys) \
@@ -1416,7 +1418,7 @@ _TIMESTAMPTZ = pa.timestamp("us", "UTC")
 def _now(n: int) -> pa.Array:
     """The time now, ``n`` times, as DuckDB's now() would give it to a TIMESTAMPTZ column."""
     now = time.time_ns() // 1000
-    if n <= 64:  # (a one-sample put: from a list ~3 µs, through numpy ~12 µs)
+    if n <= 64:  # (for a few rows a list is cheaper than numpy's set-up)
         return pa.array([now] * n, _TIMESTAMPTZ)
     return pa.array(np.full(n, now, "datetime64[us]"), _TIMESTAMPTZ)
 
