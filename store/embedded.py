@@ -378,9 +378,9 @@ class EmbeddedStore:
         """Ready rows satisfying a claim's predicate: enough of the first ready rows for the
         claim, or of all of them.
 
-        Why in rounds: asking DuckDB about every ready row took seconds with a backlog (4.6 s for
-        a claim of 16 among 10^6 ready rows, and every row of the backlog built as an object);
-        a claim needs only the first rows that match. Each round evaluates the next rows in
+        Why in rounds: asking DuckDB about every ready row took seconds with a large backlog (and
+        built every row of the backlog as an object); a claim needs only the first rows that
+        match. Each round evaluates the next rows in
         claim order, four times as many as the round before, and stops once the claim could be
         served from what matched (the selection a claim makes from a prefix of the order is
         the one it makes from the whole order when the prefix holds enough matches).
@@ -463,9 +463,8 @@ class EmbeddedStore:
         ready rows without them (up to ``settings.load_ahead_rows``), which the cache keeps for the next
         claims.
 
-        Why ahead: the query costs ~1.5-6 ms at 10^7 rows however few rows it reads (~20 ms for
-        1,000 rows spread over the table), so each claim reading its own rows paid that; read
-        together, the next claims pay nothing.
+        Why ahead: on a large table the query costs milliseconds however few rows it reads, so
+        each claim reading its own rows paid that; read together, the next claims pay nothing.
 
         A row is marked LOADING while the query runs; a write that replaces its values meanwhile
         replaces the mark, and then what the query read (older) is not kept.
@@ -498,9 +497,9 @@ class EmbeddedStore:
             return {}
         schema = live.tdef.payload_schema()
         # A semi-join, not a range and list_contains: DuckDB pushes the join's bounds into the
-        # scan, so ids close together skip the other row groups (1.5 ms for 16 ids at 10^7
-        # rows, as with the range), and ids spread over the table cost half as much (5.6 against
-        # 9.8 ms for 16, 18 against 42 ms for 1,040).
+        # scan, so ids close together skip the other row groups (as with the range), and ids
+        # spread over the table cost much less than with the range (docs/bench/history.md,
+        # "The round of 2026-11-25 01:03").
         sql = (f"SELECT row_id, {', '.join(map(quote, schema.names))} FROM "
                f"{quote(live.tdef.name)} WHERE row_id IN (SELECT unnest(?::BIGINT[]))")
         table = self._reader(materialize=False).sql(sql, params=[row_ids]).to_arrow_table()
@@ -1053,8 +1052,8 @@ MAX_SLICES = 8
 
 def _rows_of(table: pa.Table, indices: list[int]) -> pa.Table:
     """Rows ``indices`` of ``table``, in that order: zero-copy slices when they form a few
-    ascending runs (the usual case: rows are claimed in about the order they were written, a
-    slice costs ~1 µs and a take of a 4,096-row put ~100 µs), else a take."""
+    ascending runs (the usual case: rows are claimed in about the order they were written; a
+    slice costs next to nothing, where a take copies every column of the rows), else a take."""
     first = indices[0]
     if indices[-1] - first == len(indices) - 1 and indices == list(range(first, first + len(indices))):
         return table.slice(first, len(indices))
