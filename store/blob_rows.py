@@ -199,51 +199,89 @@ def read_block(t: pa.DataType, start: int, end: int, present: list[bool],
     return array, hasher.intdigest()
 
 
-def _read(t: pa.DataType, a: int, b: int, present: list[bool], counter, take: Fetch,
+class _Node(NamedTuple):
+    """How :func:`_read` cuts one level of a type: decided once per type, not per read."""
+
+    type: pa.DataType
+    kind: str                       # "bool", "var", "list", "fixed_list", "struct", "fixed"
+    width: int                      # bytes per offset ("var", "list") or value ("fixed")
+    dtype: np.dtype | None          # the offsets' dtype ("var", "list")
+    children: tuple["_Node", ...]
+    size: int                       # list_size ("fixed_list")
+
+
+_PLANS: dict[pa.DataType, _Node] = {}
+
+
+def _plan(t: pa.DataType) -> _Node:
+    node = _PLANS.get(t)
+    if node is None:
+        node = _PLANS[t] = _make_plan(t)
+    return node
+
+
+def _make_plan(t: pa.DataType) -> _Node:
+    if pa.types.is_boolean(t):
+        return _Node(t, "bool", 0, None, (), 0)
+    if _is_var_width(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+        dtype = _offset_dtype(t)
+        if _is_var_width(t):
+            return _Node(t, "var", dtype.itemsize, dtype, (), 0)
+        return _Node(t, "list", dtype.itemsize, dtype, (_make_plan(t.value_type),), 0)
+    if pa.types.is_fixed_size_list(t):
+        return _Node(t, "fixed_list", 0, None, (_make_plan(t.value_type),), t.list_size)
+    if pa.types.is_struct(t):
+        return _Node(t, "struct", 0, None,
+                     tuple(_make_plan(t.field(i).type) for i in range(t.num_fields)), 0)
+    return _Node(t, "fixed", t.bit_width // 8, None, (), 0)
+
+
+def _read(t: pa.DataType | _Node, a: int, b: int, present: list[bool], counter, take: Fetch,
           build: bool = True) -> pa.Array | None:
     """Rows ``[a, b)`` of type ``t``: read from ``a0 = a - a % 8`` (bitmaps split on bytes),
     returned as a slice from ``a``."""
+    node = t if isinstance(t, _Node) else _plan(t)
+    kind = node.kind
     a0 = a - a % 8
     n = b - a0
     vi = next(counter)
     validity = take(vi, a0 // 8, (b + 7) // 8) if present[vi] else None
     out: pa.Array | None = None
-    if pa.types.is_boolean(t):
-        data = take(next(counter), a0 // 8, (b + 7) // 8)
+    if kind == "fixed":
+        w = node.width
+        data = take(next(counter), a0 * w, b * w)
         if build:
-            out = pa.Array.from_buffers(t, n, [validity, data])
-    elif _is_var_width(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
-        dtype = _offset_dtype(t)
-        w = dtype.itemsize
-        offsets = np.frombuffer(take(next(counter), a0 * w, (b + 1) * w), dtype)
+            out = pa.Array.from_buffers(node.type, n, [validity, data])
+    elif kind == "var" or kind == "list":
+        w = node.width
+        offsets = np.frombuffer(take(next(counter), a0 * w, (b + 1) * w), node.dtype)
         lo, hi = int(offsets[0]), int(offsets[-1])
-        if lo > hi or (n and np.any(offsets[1:] < offsets[:-1])):
+        if lo > hi or (n > 1 and (offsets[1:] < offsets[:-1]).any()):
             raise ValueError(f"offsets of rows [{a0}, {b}) are not ascending")
-        if _is_var_width(t):
+        if kind == "var":
             data = take(next(counter), lo, hi)
             if build:
                 rebased = pa.py_buffer(offsets - lo) if lo else pa.py_buffer(offsets)
-                out = pa.Array.from_buffers(t, n, [validity, rebased, data])
+                out = pa.Array.from_buffers(node.type, n, [validity, rebased, data])
         else:
-            child = _read(t.value_type, lo, hi, present, counter, take, build)
+            child = _read(node.children[0], lo, hi, present, counter, take, build)
             if build:
-                out = pa.Array.from_buffers(t, n, [validity, pa.py_buffer(offsets - lo)],
+                out = pa.Array.from_buffers(node.type, n,
+                                            [validity, pa.py_buffer(offsets - lo)],
                                             children=[child])
-    elif pa.types.is_fixed_size_list(t):
-        k = t.list_size
-        child = _read(t.value_type, a0 * k, b * k, present, counter, take, build)
+    elif kind == "bool":
+        data = take(next(counter), a0 // 8, (b + 7) // 8)
         if build:
-            out = pa.Array.from_buffers(t, n, [validity], children=[child])
-    elif pa.types.is_struct(t):
-        children = [_read(t.field(i).type, a0, b, present, counter, take, build)
-                    for i in range(t.num_fields)]
+            out = pa.Array.from_buffers(node.type, n, [validity, data])
+    elif kind == "fixed_list":
+        k = node.size
+        child = _read(node.children[0], a0 * k, b * k, present, counter, take, build)
         if build:
-            out = pa.Array.from_buffers(t, n, [validity], children=children)
+            out = pa.Array.from_buffers(node.type, n, [validity], children=[child])
     else:
-        w = t.bit_width // 8
-        data = take(next(counter), a0 * w, b * w)
+        children = [_read(c, a0, b, present, counter, take, build) for c in node.children]
         if build:
-            out = pa.Array.from_buffers(t, n, [validity, data])
+            out = pa.Array.from_buffers(node.type, n, [validity], children=children)
     if out is None:
         return None
     return out.slice(a - a0) if a != a0 else out

@@ -409,20 +409,25 @@ class BlobStore:
 
         Rows of format-3 chunks are read alone (their blocks, see :mod:`store.blob_rows`);
         chunks of older formats are read whole."""
-        by_chunk: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        by_prefix: dict[str, list[tuple[int, int]]] = {}
         for pos, key in enumerate(keys):
             if key is None:
                 continue
+            prefix, _, row = key.rpartition(":")
             try:
-                seg, off, length, row = (int(p) for p in key.split(":"))
+                by_prefix.setdefault(prefix, []).append((pos, int(row)))
             except ValueError:
                 raise StorageError(f"blob key {key!r} is malformed") from None
-            by_chunk.setdefault((seg, off, length), []).append((pos, row))
-        if not by_chunk:
+        if not by_prefix:
             return pa.nulls(len(keys), value_type)
         positions: list[int] = []
         pieces: list[pa.Array] = []
-        for ck, items in by_chunk.items():
+        for prefix, items in by_prefix.items():
+            try:
+                seg, off, length = (int(p) for p in prefix.split(":"))
+            except ValueError:
+                raise StorageError(f"blob key {prefix}:{items[0][1]!r} is malformed") from None
+            ck = (seg, off, length)
             rows = [r for _, r in items]
             index = self._index(*ck)
             whole = self._chunk(*ck) if index is None else None

@@ -527,8 +527,10 @@ class EmbeddedStore:
     def _resolved(self, inline: pa.ChunkedArray, keys: pa.ChunkedArray) -> pa.Array:
         """A column's values: inline ones where the blob key is null, else read from blobs."""
         inline = one_array(inline)
-        return pc.if_else(pc.is_valid(keys), self.blobs.resolve(keys.to_pylist(), inline.type),
-                          inline)
+        values = self.blobs.resolve(keys.to_pylist(), inline.type)
+        if keys.null_count == 0:     # every value by reference: nothing to merge (if_else copies)
+            return values
+        return pc.if_else(pc.is_valid(keys), values, inline)
 
     def ack(self, claim_id: str) -> dict[str, Any]:
         """Mark a claim's rows consumed; durable on return; acking twice is harmless.
