@@ -24,14 +24,18 @@ NAME = "ray_queue"
 TITLE = "Ray queue (ray.util.queue.Queue, local cluster)"
 
 
+def loopback_env() -> None:
+    """Ray 2.60 silently replaces ``_node_ip_address="127.0.0.1"`` with the machine's external
+    address unless this variable is set before ``ray`` is first imported (by anything)."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
 @contextlib.contextmanager
 def local_ray(num_cpus: int = 2) -> Iterator[Any]:
     """A local Ray bound to 127.0.0.1 (asserted), shut down afterwards; Skip where it cannot
     start. ``num_cpus``: what Ray may hand out (TransferQueue's actors each reserve one)."""
-    # Ray 2.60 silently replaces _node_ip_address="127.0.0.1" with the machine's external
-    # address unless this is set before it starts
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    loopback_env()
     try:
         import ray
     except ImportError as e:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from bench.context import Ctx, Skip
-from bench.ray_queue import local_ray
+from bench.ray_queue import local_ray, loopback_env
 from bench.util import percentiles_ms
 from bench.workloads import GROUP, narrow_table, wide_table
 
@@ -113,6 +113,7 @@ def micro_batches(client: Any, kind: str, n: int, group: bool) -> list[float]:
 
 
 def run(ctx: Ctx) -> None:
+    loopback_env()                          # transfer_queue imports ray
     try:
         import transfer_queue  # noqa: F401
     except ImportError as e:
