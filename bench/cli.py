@@ -120,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name:<18} {importlib.import_module(f'bench.{name}').TITLE}")
         return 0
     names = select(args.only)
+    # before anything imports ray (environment() does, for its version): Ray reads it then
+    from bench.ray_queue import loopback_env
+
+    loopback_env()
     results = Results()
     cleanup: list[Any] = []
     failed = []

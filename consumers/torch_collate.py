@@ -177,10 +177,13 @@ def _tensor_columns(table: pa.Table, names: Sequence[str] | None) -> dict[str, t
         arrays = to_numpy(table.column(name))
         if any(a is None for a in arrays):
             raise ValueError(f"tensor column {name!r} has a null value")
-        # Copy: the arrays may view read-only Arrow buffers, which torch must not write through.
-        tensors = [torch.from_numpy(np.array(a, copy=True)) for a in arrays if a is not None]
-        same = len({tuple(x.shape) for x in tensors}) <= 1
-        out[name] = torch.stack(tensors) if same and tensors else tensors
+        # One copy: the arrays view read-only Arrow buffers, which torch must not write through;
+        # tensors of one shape are stacked by that copy (not copied, then stacked).
+        present = [a for a in arrays if a is not None]
+        if present and len({a.shape for a in present}) == 1:
+            out[name] = torch.from_numpy(np.stack(present))
+        else:
+            out[name] = [torch.from_numpy(np.array(a, copy=True)) for a in present]
     return out
 
 
