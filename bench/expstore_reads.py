@@ -107,6 +107,13 @@ def _reads(ctx: Ctx, s: Any, raw: flight.FlightClient, shape: str, make: Any,
     nbytes = data.nbytes
     ctx.record(f"{shape}_put_mb_per_s", nbytes / _median(puts) / 1e6, "MB/s",
                f"{shape}: one put of {data.num_rows:,} rows, {nbytes / 2**20:.0f} MiB, median")
+    raw_puts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        put_stream(raw, "sink-reads", data)          # the transport's bound for that put
+        raw_puts.append(time.perf_counter() - t0)
+    ctx.record(f"raw_{shape}_put_mb_per_s", nbytes / _median(raw_puts) / 1e6, "MB/s",
+               "  raw Flight do_put of the same table, median")
     for size, table in ((16, tables[0]), (64, tables[1])):
         took, got = read_by_claims(s, table, size)
         mb = sum(t.nbytes for t in got) / 1e6

@@ -44,7 +44,7 @@ def tq_fields() -> dict[str, np.ndarray]:
 
 
 @contextlib.contextmanager
-def transfer_queue(sampler: Any) -> Iterator[Any]:
+def tq_system(sampler: Any) -> Iterator[Any]:
     """TransferQueue's controller and storage units on the running Ray, with ``sampler``."""
     import transfer_queue as tq
     from omegaconf import OmegaConf
@@ -67,7 +67,7 @@ def _tensordict(columns: dict[str, Any], n: int) -> Any:
         if isinstance(values, list):
             fields[name] = NonTensorData(data=values, batch_size=(n,), device=None)
         else:
-            fields[name] = torch.from_numpy(np.ascontiguousarray(values))
+            fields[name] = torch.from_numpy(np.array(values))   # writable, contiguous
     return TensorDict(fields, batch_size=(n,), device=None)
 
 
@@ -128,7 +128,7 @@ def run(ctx: Ctx) -> None:
     n = ctx.pick(30, 100)
     # its controller and each of its 2 storage units reserve a Ray CPU: more than the 2 here
     with local_ray(num_cpus=8):
-        with transfer_queue(SequentialSampler()) as client:
+        with tq_system(SequentialSampler()) as client:
             data = _tensordict(fields, TQ_ROWS)
             puts, gets = [], []
             for rep in range(repeats):
@@ -156,7 +156,7 @@ def run(ctx: Ctx) -> None:
                 ctx.record(f"mb16_{kind}_p50_ms", p50, "ms",
                            f"micro-batch of 16 {kind}: get_meta + get_data p50")
                 ctx.record(f"mb16_{kind}_p99_ms", p99, "ms", "  … p99")
-        with transfer_queue(GRPOGroupNSampler(n_samples_per_prompt=GROUP)) as client:
+        with tq_system(GRPOGroupNSampler(n_samples_per_prompt=GROUP)) as client:
             for kind in ("narrow", "wide"):
                 p50, p99 = percentiles_ms(micro_batches(client, kind, n, group=True))
                 ctx.record(f"mb16_{kind}_group_p50_ms", p50, "ms",
