@@ -79,6 +79,7 @@ IN_PLACE_MIN_BYTES = 64 << 10
 _IOV_MAX = 1024                     # buffers per pwritev call (Linux's IOV_MAX)
 INDEX_CACHE = 4096                  # format-3 chunk indexes kept parsed (a few KB each)
 OPEN_SEGMENTS = 16                  # segment files kept open for reading
+RECENT_BYTES = 256 << 20            # the newest chunks kept readable from memory (see sync)
 
 # What BlobStore.append takes: the buffer of serialize_chunk_buffer (or its bytes).
 Chunk = Union[bytes, pa.Buffer]
@@ -193,7 +194,8 @@ class BlobStore:
     Only the store's writer thread calls :meth:`append` and :meth:`sync`; any thread may read.
     """
 
-    def __init__(self, root: str, filesystem: pafs.FileSystem | None = None) -> None:
+    def __init__(self, root: str, filesystem: pafs.FileSystem | None = None,
+                 recent_bytes: int = RECENT_BYTES) -> None:
         self.root = root.rstrip("/")
         self._fs = filesystem
         self._local = filesystem is None or isinstance(filesystem, pafs.LocalFileSystem)
@@ -206,6 +208,9 @@ class BlobStore:
         self._indexes: OrderedDict[tuple[int, int, int], blob_rows.ChunkIndex | None] = \
             OrderedDict()
         self._fds: OrderedDict[int, _OpenSegment] = OrderedDict()
+        self.recent_bytes = recent_bytes
+        self._recent: OrderedDict[tuple[int, int, int], pa.Buffer] = OrderedDict()
+        self._recent_held = 0
         try:
             if self._local:
                 os.makedirs(self.root, exist_ok=True)
@@ -278,7 +283,8 @@ class BlobStore:
             return
         pieces, total, start = self._pending, self._end - self._start, self._start
         self._pending = []
-        path = self._path(self._segment)
+        segment = self._segment
+        path = self._path(segment)
         try:
             if self._local:
                 self._size = self._write_local(path, pieces, start, total)
@@ -291,6 +297,26 @@ class BlobStore:
                 self._size = 0
         except OSError as e:
             raise StorageError(f"cannot write blob segment {path!r}: {e}") from e
+        self._keep_recent(segment, pieces)
+
+    def _keep_recent(self, segment: int, pieces: list[_Staged]) -> None:
+        """Keep the chunks just made durable readable from memory, the newest up to
+        :attr:`recent_bytes` (what they already occupied until now; nothing is copied).
+
+        Why: O_DIRECT writes leave nothing in the page cache, so a claim of fresh rows read
+        them back from the device; trainers read what producers just wrote."""
+        if not self.recent_bytes:
+            return
+        with self._cache_lock:
+            for piece in pieces:
+                chunk = piece.chunk if isinstance(piece.chunk, pa.Buffer) \
+                    else pa.py_buffer(piece.chunk)
+                if len(chunk) > self.recent_bytes:
+                    continue
+                self._recent[(segment, piece.offset, len(chunk))] = chunk
+                self._recent_held += len(chunk)
+            while self._recent_held > self.recent_bytes:
+                self._recent_held -= len(self._recent.popitem(last=False)[1])
 
     def _write_local(self, path: str, pieces: list[_Staged], start: int, total: int) -> int:
         """Write ``pieces`` at ``start`` and fsync; return the segment's new end. A failed
@@ -453,10 +479,16 @@ class BlobStore:
         is read in one pass (a zero-copy slice when the rows are consecutive, else a take)."""
         assert index is not None
         segment, offset, _ = ck
-        pread = self._preader(segment)
+        with self._cache_lock:
+            held = self._recent.get(ck)
+        if held is not None:
+            def fetch(i: int, lo: int, hi: int) -> pa.Buffer:
+                return held.slice(index.buffers[i][0] + lo, hi - lo)  # type: ignore[union-attr]
+        else:
+            pread = self._preader(segment)
 
-        def fetch(i: int, lo: int, hi: int) -> pa.Buffer:
-            return pread(offset + index.buffers[i][0] + lo, hi - lo)
+            def fetch(i: int, lo: int, hi: int) -> pa.Buffer:
+                return pread(offset + index.buffers[i][0] + lo, hi - lo)
 
         ordered = sorted(set(rows))
         block = index.block_rows
@@ -491,7 +523,13 @@ class BlobStore:
             if ck in self._indexes:
                 self._indexes.move_to_end(ck)
                 return self._indexes[ck]
-        pread = self._preader(segment)
+        with self._cache_lock:
+            held = self._recent.get(ck)
+        pread: Callable[[int, int], pa.Buffer]
+        if held is not None:
+            pread = lambda at, size: held.slice(at - offset, size)  # noqa: E731
+        else:
+            pread = self._preader(segment)
         where = f"blob chunk {segment}:{offset}:{length} in {self._path(segment)!r}"
         head = pread(offset, min(HEADER_BYTES, length)).to_pybytes()
         index: blob_rows.ChunkIndex | None = None
@@ -591,6 +629,8 @@ class BlobStore:
         with self._cache_lock:
             self._cache.clear()
             self._indexes.clear()
+            self._recent.clear()
+            self._recent_held = 0
         self.close()                     # descriptors of deleted segments go too
         return {"segments_removed": removed, "bytes_freed": freed}
 

@@ -55,10 +55,11 @@ def _resolve(b: BlobStore, key: str, rows: list[int], typ: pa.DataType) -> pa.Ar
     return b.resolve([f"{key}:{r}" for r in rows], typ)
 
 
-def test_any_rows_read_back_as_put(tmp_path):
+@pytest.mark.parametrize("recent", [256 << 20, 0], ids=["from_memory", "from_segments"])
+def test_any_rows_read_back_as_put(tmp_path, recent):
     n = 300
     cols = _columns(n)
-    b = BlobStore(str(tmp_path / "blobs"))
+    b = BlobStore(str(tmp_path / "blobs"), recent_bytes=recent)
     keys = _write(b, cols)
     rnd = random.Random(7)
     for trial in range(120):
@@ -93,12 +94,25 @@ def test_nulls_between_keys_and_keys_across_segments_after_reopen(tmp_path):
     assert BlobStore(root).resolve(keys, first.type).equals(expected)
 
 
+def test_fresh_chunks_are_read_from_memory_within_their_bound(tmp_path):
+    cols = _columns(200)
+    b = BlobStore(str(tmp_path / "blobs"), recent_bytes=300_000)
+    keys = _write(b, cols)
+    sizes = {name: int(key.split(":")[2]) for name, key in keys.items()}
+    assert b._recent_held <= 300_000 < sum(sizes.values())
+    held = {k for k in b._recent}
+    newest = (*map(int, keys["nested"].split(":")),)
+    assert newest in held                                   # the newest stay
+    for name, arr in cols.items():                          # held or not, all read the same
+        assert _resolve(b, keys[name], [3, 150, 77], arr.type).equals(arr.take([3, 150, 77]))
+
+
 def test_a_few_rows_of_a_large_chunk_read_a_bounded_number_of_bytes(tmp_path):
     n, width = 4096, 1024
     values = pa.ListArray.from_arrays(
         pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32)),
         pa.array(np.arange(n * width, dtype=np.float32)))
-    b = BlobStore(str(tmp_path / "blobs"))
+    b = BlobStore(str(tmp_path / "blobs"), recent_bytes=0)   # read from the segment
     key = _write(b, {"v": values})["v"]
     read: list[int] = []
     preader = b._preader
