@@ -185,7 +185,7 @@ class RemoteStore:
             return False
         # get_total_buffer_size is cheap but counts whole buffers, also where the rows are a
         # slice of a larger table (a producer writing one row of a batch it holds): those are
-        # measured again by nbytes, which counts only the rows' bytes (~30x dearer).
+        # measured again by nbytes, which counts only the rows' bytes (many times dearer).
         return (arrow.get_total_buffer_size() <= SESSION_PUT_BYTES
                 or arrow.nbytes <= SESSION_PUT_BYTES)
 

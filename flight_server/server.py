@@ -42,9 +42,9 @@ log = logging.getLogger("expstore.server")
 # Batches of one do_put committed concurrently: later batches are queued to the writer while
 # earlier ones are committing, so a stream runs at group-commit speed, not one fsync per batch,
 # and the writer commits many batches as one DuckDB transaction, whose COMMIT costs less per
-# row when larger. Narrow 4,096-row batches through the server, five alternated A/B pairs:
-# 8 in flight 307-342 k rows/s, 32 325-379 k (+12 %). The byte bound keeps wide batches
-# (~50 MB each) from holding gigabytes (wide unchanged); one batch always goes.
+# row when larger: narrow batches went through the server faster with 32 in flight than with 8
+# (A/B in docs/bench/history.md, "The round of 2026-11-24 10:10"). The byte bound keeps wide
+# batches (tens of MB each) from holding gigabytes (wide unchanged); one batch always goes.
 PUT_PIPELINE = 32
 PUT_PIPELINE_BYTES = 128 << 20
 MAX_TICKET_BYTES = 1 << 20
@@ -365,9 +365,9 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         self.close()
 
 
-# Batches of at least this many bytes are prepared on _PREPARE_POOL (wide rows: ~15-25 ms per
-# 50 MB, as long as receiving the next batch takes); smaller ones inline, where a hand-off costs
-# more than it overlaps.
+# Batches of at least this many bytes are prepared on _PREPARE_POOL, while the next batch is
+# received (a wide batch's preparation is long enough to be worth overlapping); smaller ones
+# inline, where a hand-off costs more than it overlaps.
 PREPARE_APART_BYTES = 1 << 20
 _PREPARE_POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="expstore-put-prepare")
 _ANSWER_POOL = ThreadPoolExecutor(max_workers=512, thread_name_prefix="expstore-put-answers")

@@ -66,11 +66,11 @@ class _DurableAnswers:
 
     Why one thread: a group commit resolves the writes of many sessions at once. With a thread
     per session waiting on its answers, dozens of them woke together and competed with the
-    writer for the interpreter lock: with 64 one-sample producers, a group of 32 puts took
-    ~15 ms for ~1 ms of the writer's own work. One thread writing them in turn took the rate
-    from 1.6-1.9 k to 1.95-2.2 k puts/s (A/B, BENCHMARKS.md). A session whose stream is busy (a
-    large claim answer being written to a client that reads slowly) is answered from a pool
-    thread instead, so that it holds up no other session.
+    writer for the interpreter lock: with many one-sample producers, a group commit spent most
+    of its time waiting for the lock, not working. One thread writing them in turn raised the
+    rate of puts (A/B in docs/bench/history.md, "The round of 2026-11-24 08:03"). A session
+    whose stream is busy (a large claim answer being written to a client that reads slowly) is
+    answered from a pool thread instead, so that it holds up no other session.
     """
 
     def __init__(self) -> None:

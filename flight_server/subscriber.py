@@ -4,7 +4,8 @@ A reader thread receives the server's messages: micro-batches go to a queue the 
 answers to acks, nacks and bumps resolve the futures their callers wait on. No polling: the
 server pushes a micro-batch as soon as enough rows are ready. A sender thread writes the
 client's messages in the order they were made, so that ``ack(wait=False)`` returns without
-waiting for the stream (a write took ~0.2 ms of the trainer's time between two micro-batches).
+waiting for the stream (a write took a noticeable share of the trainer's time between two
+micro-batches).
 """
 from __future__ import annotations
 
