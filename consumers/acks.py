@@ -1,9 +1,9 @@
 """Acks a trainer sends without waiting, settled before its version bump.
 
 A trainer acks each micro-batch right after its backward. Waiting for the answer (the ack is
-durable, a commit on the server) put a round trip into every micro-batch: 3.5 % of a step with
-16 micro-batches per global batch on 2 CPU cores, ~11 % of a DeepSpeed step on an H100 (see
-BENCHMARKS.md, "On a GPU"). Sent with ``ack(wait=False)`` the ack travels while the next
+durable, a commit on the server) put a round trip into every micro-batch: a share of every
+step on the CPU, and a larger one on a GPU, where a micro-batch trains faster (see BENCHMARKS.md,
+"On a GPU"). Sent with ``ack(wait=False)`` the ack travels while the next
 micro-batch trains; the store applies it before any later change, the bump included. The loop
 still waits for every answer before it bumps, so a failed ack (an expired lease: the rows go to
 another consumer) stops the step instead of passing unnoticed.
