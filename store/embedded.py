@@ -47,6 +47,7 @@ from .putlog import LeaseUpdate, PutLog, log_path, replay
 from .recovery import load_state
 from .schema import TableDef
 from .sqlguard import check_select, predicate_query
+from .sqlvalues import ValueCursor, ValueViews, drop_keys
 from .types import one_array
 from .writer import BumpOp, CallOp, PutOp, ReadOp, SettleOp, SmallPutOp, Writer
 
@@ -95,10 +96,15 @@ class EmbeddedStore:
         # One reader cursor per thread, kept here (not in thread-locals) so that close() can
         # drop every one of them, also those of threads that live on (gRPC's pool).
         self._readers: dict[int, duckdb.DuckDBPyConnection] = {}
+        # Cursors of SQL and claim predicates: their tables show by-reference values (see
+        # store/sqlvalues.py); the store's own reads use the plain readers above.
+        self._value_readers: dict[int, ValueCursor] = {}
+        self._ddl_seq = 0                 # counts table creations and drops, for those views
         self._reader_root = self._con.cursor()
         self._reader_lock = threading.Lock()
         try:
             self.blobs = BlobStore(blob_dir or f"{path}.blobs", blob_filesystem)
+            self._views = ValueViews(self.blobs)
             replayed = replay(self._con, path)
             if replayed:
                 log.info("%d rows of the put log inserted after an unclean stop", replayed)
@@ -167,6 +173,7 @@ class EmbeddedStore:
         def apply(created: bool) -> None:
             if created:
                 self._live[name] = LiveTable(tdef)
+                self._ddl_seq += 1
                 self._versions.setdefault(tdef.version_group, 0)
                 self._weights.setdefault(tdef.version_group, None)
 
@@ -195,6 +202,7 @@ class EmbeddedStore:
             if not dropped:
                 return
             live = self._live.pop(name)
+            self._ddl_seq += 1
             group = live.tdef.version_group
             if not any(t.tdef.version_group == group for t in self._live.values()):
                 self._versions.pop(group, None)
@@ -510,20 +518,6 @@ class EmbeddedStore:
         self.cache.hold(table)
         return {rid: (table, i) for i, rid in enumerate(ids)}
 
-    def _resolve_refs(self, table: pa.Table) -> pa.Table:
-        """Replace ``X`` + ``X__ref`` column pairs by ``X`` with the blob values filled in."""
-        names = table.column_names
-        refs = [n for n in names if n.endswith("__ref") and n[: -len("__ref")] in names]
-        if not refs:
-            return table
-        for name in refs:
-            base = name[: -len("__ref")]
-            ref = table.column(name)
-            if ref.null_count < len(ref):  # some values are in the blob store
-                table = table.set_column(table.schema.get_field_index(base), base,
-                                         self._resolved(table.column(base), ref))
-        return table.drop_columns(refs)
-
     def _resolved(self, inline: pa.ChunkedArray, keys: pa.ChunkedArray) -> pa.Array:
         """A column's values: inline ones where the blob key is null, else read from blobs."""
         inline = one_array(inline)
@@ -804,8 +798,9 @@ class EmbeddedStore:
     # -- SQL ----------------------------------------------------------------------------------------
     def query(self, sql: str, params: list[Any] | None = None, *,
               timeout: float | None = None) -> pa.Table:
-        """Run one read-only SELECT over live data; by-reference values are resolved where the
-        result has both ``X`` and ``X__ref``.
+        """Run one read-only SELECT over live data; by-reference columns read as their values
+        (see store/sqlvalues.py), and a result holding both ``X`` and its key ``X__ref`` (as
+        ``SELECT *`` does) leaves the key out.
 
         Raises:
             QueryRefused: not a single read-only SELECT, or the SQL is invalid.
@@ -817,8 +812,7 @@ class EmbeddedStore:
         limit = self.query_timeout if timeout is None else timeout
         deadline = self._take_query_slot(limit, "the query")
         try:
-            return self._resolve_refs(self._run_read(sql, list(params or []), limit,
-                                                     deadline))
+            return drop_keys(self._run_read(sql, list(params or []), limit, deadline))
         finally:
             self._query_slots.release()
 
@@ -833,12 +827,15 @@ class EmbeddedStore:
 
     def _run_read(self, sql: str, params: list[Any], timeout: float,
                   deadline: float | None = None) -> pa.Table:
-        """Run a read; cancelled after ``timeout`` seconds, or at ``deadline`` (monotonic)."""
+        """Run users' SQL (a query or a claim predicate) on this thread's value cursor;
+        cancelled after ``timeout`` seconds, or at ``deadline`` (monotonic)."""
         left = timeout if deadline is None else deadline - time.monotonic()
         if left <= 0:
             raise QueryTimeout(f"query ran past its {timeout} s limit (waiting for a query slot "
                                "included) and was cancelled")
-        cursor = self._reader()
+        values = self._value_reader()
+        cursor = values.cursor
+        values.take_error()
         timer = threading.Timer(left, cursor.interrupt)
         timer.daemon = True
         timer.start()
@@ -855,18 +852,36 @@ class EmbeddedStore:
                     pass
         except duckdb.InterruptException as e:
             raise QueryTimeout(f"query ran past its {timeout} s limit and was cancelled") from e
-        except duckdb.PermissionException as e:
-            raise QueryRefused(f"query refused: {e}") from e
-        except (duckdb.ParserException, duckdb.BinderException, duckdb.CatalogException,
-                duckdb.ConversionException, duckdb.InvalidInputException) as e:
-            raise QueryRefused(f"query failed: {e}") from e
         except duckdb.Error as e:
             fault = self._writer.fault
             if fault is not None:  # the database was invalidated under the query
                 raise fault.error(self._writer.waiting_changes, read=True) from e
+            blob_error = values.take_error()
+            if blob_error is not None:  # a by-reference value could not be read
+                raise blob_error from e
             raise QueryRefused(f"query failed: {e}") from e
         finally:
             timer.cancel()
+
+    def _value_reader(self) -> ValueCursor:
+        """This thread's value cursor, its views in step with the tables (see sqlvalues)."""
+        self._writer.materialize()  # every acknowledged write is in DuckDB before a read
+        ident = threading.get_ident()
+        values = self._value_readers.get(ident)
+        if values is None:
+            with self._reader_lock:
+                if self._closed:
+                    raise StoreClosed("the store is closed")
+                values = self._value_readers[ident] = self._views.cursor(
+                    self._reader_root.cursor())
+        with self._lock:
+            seq, tables = self._ddl_seq, [live.tdef for live in self._live.values()]
+        try:
+            self._views.refresh(values, tables, seq)
+        except duckdb.Error as e:
+            raise StorageError(f"cannot prepare the query views of by-reference columns: {e}") \
+                from e
+        return values
 
     def _reader(self, materialize: bool = True) -> duckdb.DuckDBPyConnection:
         if materialize:
@@ -1011,12 +1026,14 @@ class EmbeddedStore:
         except duckdb.Error:
             pass
         with self._reader_lock:
-            for cursor in list(self._readers.values()) + [self._reader_root]:
+            cursors = [v.cursor for v in self._value_readers.values()]
+            for cursor in cursors + list(self._readers.values()) + [self._reader_root]:
                 try:
                     cursor.close()
                 except duckdb.Error:
                     pass
             self._readers.clear()
+            self._value_readers.clear()
         self._con.close()
         self.blobs.close()
 

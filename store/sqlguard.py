@@ -43,6 +43,9 @@ DENIED_FUNCTION_PREFIXES = (
 # user tables cannot have these names (``duckdb_`` and ``pg_`` are reserved prefixes).
 DENIED_VIEWS = frozenset({"duckdb_databases", "pragma_database_list", "duckdb_logs",
                           "pg_settings", "pg_prepared_statements"})
+# The store's own functions (the by-reference value resolvers of store/sqlvalues.py): only the
+# store's views call them, on keys it wrote.
+INTERNAL_FUNCTION_PREFIX = "expstore_"
 MAX_SQL_CHARS = 100_000
 # Characters of file paths, URLs, extensions and globs; no store or catalog table name has them.
 _PATH_CHARS = "/\\.:*?~"
@@ -104,6 +107,9 @@ def check_select(sql: object) -> str:
         if where == "table" and lowered not in ALLOWED_TABLE_FUNCTIONS:
             raise QueryRefused(f"table function {name!r} is refused on the query path; allowed: "
                                f"{', '.join(sorted(ALLOWED_TABLE_FUNCTIONS))}")
+        if lowered.startswith(INTERNAL_FUNCTION_PREFIX):
+            raise QueryRefused(f"function {name!r} is internal to the store; select the column "
+                               "itself, whose by-reference values read as values")
         if lowered.startswith(DENIED_FUNCTION_PREFIXES):
             raise QueryRefused(f"function {name!r} is refused on the query path (file, "
                                "environment or SQL-from-string access)")

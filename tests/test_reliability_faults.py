@@ -372,8 +372,12 @@ def test_missing_blob_segment_names_it_and_by_value_rows_survive(tmp_path):
         with pytest.raises(StorageError) as info:
             s.query("SELECT sample_id, response, response__ref FROM t")
         assert seg_file.name in str(info.value)
-        small = s.query("SELECT sample_id, response FROM t WHERE response IS NOT NULL")
+        # Rows whose values are inline are read without the missing segment: the filter on
+        # the key runs before any value is resolved.
+        small = s.query("SELECT sample_id, response FROM t WHERE response__ref IS NULL")
         assert sorted(small.column("sample_id").to_pylist()) == sorted(small_ids)
+        assert all(r.startswith(i) for i, r in zip(small.column("sample_id").to_pylist(),
+                                                   small.column("response").to_pylist()))
         # SQL over by-value columns keeps working for every row.
         n = s.query("SELECT count(*) AS n, sum(reward) AS r FROM t").to_pylist()[0]
         assert n["n"] == 15

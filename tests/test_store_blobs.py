@@ -52,16 +52,23 @@ def test_large_and_ref_values_go_to_blob_dir(embedded_store, db_path):
     _write(s)
     blob_dir = db_path + ".blobs"
     assert _segments(blob_dir), "no blob segment was written"
-    # In DuckDB the big values are NULL with a key beside them; small ones are inline.
-    raw = {r["sample_id"]: r for r in s.query(
-        "SELECT sample_id, response IS NULL AS r_null, response__ref, ids__ref, t__ref, "
-        "note IS NULL AS n_null, note__ref FROM t").to_pylist()}
-    assert raw["a_0_0"]["r_null"] and raw["a_0_0"]["response__ref"]
-    assert raw["a_0_0"]["ids__ref"] and raw["a_0_0"]["t__ref"]
-    assert not raw["a_0_1"]["r_null"] and raw["a_0_1"]["response__ref"] is None
-    assert raw["a_0_1"]["ids__ref"] is None and raw["a_0_1"]["t__ref"] is None
+    # In DuckDB the big values are NULL with a key beside them; small ones are inline. (The
+    # store's own reader sees the tables as stored; SQL sees the values, see below.)
+    raw = {r[0]: r[1:] for r in s._reader().execute(
+        "SELECT sample_id, response IS NULL, response__ref, ids__ref, t__ref, note IS NULL, "
+        "note__ref FROM t").fetchall()}
+    r_null, r_key, ids_key, t_key, _, _ = raw["a_0_0"]
+    assert r_null and r_key and ids_key and t_key
+    r_null, r_key, ids_key, t_key, _, _ = raw["a_0_1"]
+    assert not r_null and r_key is None and ids_key is None and t_key is None
     # storage="ref" sends even tiny values by reference.
-    assert all(r["n_null"] and r["note__ref"] for r in raw.values())
+    assert all(n_null and note_key for *_, n_null, note_key in raw.values())
+    # SQL shows the keys, and every value where it is stored.
+    seen = {r["sample_id"]: r for r in s.query(
+        "SELECT sample_id, response__ref, length(response) AS n, note FROM t").to_pylist()}
+    assert seen["a_0_0"]["response__ref"] == raw["a_0_0"][1]
+    assert [seen[i]["n"] for i in ("a_0_0", "a_0_1")] == [len(BIG), len("short")]
+    assert [seen[i]["note"] for i in ("a_0_0", "a_0_1")] == ["n0", "n1"]
 
 
 def test_reads_resolve_references(embedded_store):

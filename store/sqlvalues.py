@@ -1,0 +1,148 @@
+"""SQL sees every value: a by-reference column reads as its value on the query path.
+
+A column stored by reference keeps NULL in DuckDB where its value went to the blob store, and
+the key beside it (``X__ref``; see :mod:`store.schema`). On each query cursor, every table with
+such columns is shadowed by a temporary view of the same name (DuckDB looks temporary objects
+up first), which is the table with each such column replaced::
+
+    CASE WHEN X__ref IS NULL THEN X ELSE <resolver>(X__ref) END AS X
+
+The resolver is a vectorised (Arrow) scalar function over :meth:`BlobStore.resolve`. Why views
+rather than resolving the result afterwards: every part of a query sees the values (functions
+over the column, ``WHERE … LIKE``, ``GROUP BY``, joins, claim predicates), and DuckDB inlines
+the view, so a query that does not use ``X`` never calls the resolver (projection pruning),
+filters on other columns run before it, ``CASE`` calls it only for rows that have a key, and
+``ORDER BY … LIMIT`` resolves only the rows it keeps (DuckDB's late materialisation).
+
+Safety: the resolver's names start with :data:`store.sqlguard.INTERNAL_FUNCTION_PREFIX`, which
+the guard refuses in users' SQL, so only the views call it, on keys the store wrote; it also
+accepts nothing but well-formed keys (``segment:offset:length:row``), which name chunks inside
+the store's own segment files and are checked against their checksums when read.
+
+Each query cursor has resolvers of its own (DuckDB's functions are global to the database, so
+they are named per cursor): a cursor runs one query at a time, so a blob error recorded by its
+resolver belongs to that query and can be raised to the caller as the :class:`StorageError` it
+was, instead of the text DuckDB wraps it in.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from typing import Iterable
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+from duckdb.func import PythonUDFType
+
+from .blobs import BlobStore
+from .errors import StorageError
+from .naming import quote
+from .schema import TableDef
+from .sqlguard import INTERNAL_FUNCTION_PREFIX
+from .types import duckdb_type
+
+KEY_PATTERN = r"^[0-9]{1,12}:[0-9]{1,15}:[0-9]{1,15}:[0-9]{1,12}$"
+
+
+class ValueCursor:
+    """A query cursor whose tables show by-reference values (one per reading thread)."""
+
+    def __init__(self, cursor: duckdb.DuckDBPyConnection, database: str) -> None:
+        self.cursor = cursor
+        self.database = database
+        self.seen_ddl = -1                      # the catalog change its views were made for
+        self.views: dict[str, str] = {}         # table -> the view's SELECT
+        self.resolvers: dict[str, str] = {}     # value type -> function name
+        self.errors: list[StorageError] = []    # blob errors of the query running on it
+
+    def take_error(self) -> StorageError | None:
+        """The first blob error of the last query (and forget them all)."""
+        first = self.errors[0] if self.errors else None
+        self.errors.clear()                 # in place: the resolvers hold this list
+        return first
+
+
+class ValueViews:
+    """Makes and refreshes the resolving views of query cursors for one store."""
+
+    def __init__(self, blobs: BlobStore) -> None:
+        self._blobs = blobs
+        # Function names are global to the database and a process may open several stores.
+        self._token = uuid.uuid4().hex[:12]
+        self._serial = itertools.count()
+        self._lock = threading.Lock()
+
+    def cursor(self, cursor: duckdb.DuckDBPyConnection) -> ValueCursor:
+        [(database,)] = cursor.execute("SELECT current_database()").fetchall()
+        return ValueCursor(cursor, str(database))
+
+    def refresh(self, vc: ValueCursor, tables: Iterable[TableDef], ddl_seq: int) -> None:
+        """Bring ``vc``'s views in line with ``tables`` (the catalog as of change ``ddl_seq``)."""
+        if vc.seen_ddl == ddl_seq:
+            return
+        wanted = {t.name: self._view_sql(vc, t) for t in tables if any(c.ref for c in t.columns)}
+        for name in [n for n in vc.views if n not in wanted]:
+            vc.cursor.execute(f"DROP VIEW IF EXISTS temp.main.{quote(name)}")
+            del vc.views[name]
+        for name, select in wanted.items():
+            if vc.views.get(name) != select:
+                vc.cursor.execute(f"CREATE OR REPLACE TEMP VIEW {quote(name)} AS {select}")
+                vc.views[name] = select
+        vc.seen_ddl = ddl_seq
+
+    def _view_sql(self, vc: ValueCursor, tdef: TableDef) -> str:
+        replaced = []
+        for c in tdef.columns:
+            if c.ref:
+                fn = self._resolver(vc, c.type)
+                replaced.append(f"CASE WHEN {quote(c.ref)} IS NULL THEN {quote(c.name)} "
+                                f"ELSE {fn}({quote(c.ref)}) END AS {quote(c.name)}")
+        # ``* REPLACE`` keeps the table's own columns and order (keys included, so that SQL can
+        # still tell where a value is stored).
+        return (f"SELECT * REPLACE ({', '.join(replaced)}) "
+                f"FROM {quote(vc.database)}.main.{quote(tdef.name)}")
+
+    def _resolver(self, vc: ValueCursor, value_type: pa.DataType) -> str:
+        """The name of ``vc``'s resolver for values of ``value_type``, registered on first use."""
+        sql_type = duckdb_type(value_type)
+        name = vc.resolvers.get(sql_type)
+        if name is not None:
+            return name
+        with self._lock:
+            name = f"{INTERNAL_FUNCTION_PREFIX}value_{self._token}_{next(self._serial)}"
+        blobs, errors = self._blobs, vc.errors
+
+        def resolve(keys: pa.Array) -> pa.Array:
+            try:
+                return _resolve(blobs, keys, value_type)
+            except StorageError as e:
+                errors.append(e)
+                raise
+
+        vc.cursor.create_function(name, resolve, ["VARCHAR"], sql_type, type=PythonUDFType.ARROW)
+        vc.resolvers[sql_type] = name
+        return name
+
+
+def _resolve(blobs: BlobStore, keys: pa.Array | pa.ChunkedArray,
+             value_type: pa.DataType) -> pa.Array:
+    """The values of well-formed blob keys (nulls stay null); any other string is an error."""
+    if isinstance(keys, pa.ChunkedArray):
+        keys = keys.combine_chunks()
+    well_formed = pc.match_substring_regex(keys, KEY_PATTERN)
+    if pc.sum(pc.invert(well_formed.fill_null(True))).as_py():
+        bad = pc.filter(keys, pc.invert(well_formed.fill_null(True)))[0].as_py()
+        raise StorageError(f"blob key {bad!r} is not a key of this store; expected "
+                           "'segment:offset:length:row' (four whole numbers)")
+    return blobs.resolve(keys.to_pylist(), value_type)
+
+
+def drop_keys(table: pa.Table) -> pa.Table:
+    """A result without the ``X__ref`` keys of columns ``X`` it also holds (as ``SELECT *``
+    gives them): ``X`` already carries the value, and the key is storage detail."""
+    names = set(table.column_names)
+    keys = [n for n in table.column_names
+            if n.endswith("__ref") and n[: -len("__ref")] in names]
+    return table.drop_columns(keys) if keys else table
