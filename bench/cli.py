@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 # run order: baselines first, so a partial run still has something to compare against
 BENCHMARKS = ["flight_raw", "duckdb_bulk", "redis_streams", "ray_queue", "transferqueue",
               "pipeline_sim", "expstore_ingest", "expstore_claims", "expstore_reads",
-              "expstore_scaling", "cluster", "gpu_train"]
+              "expstore_scaling", "expstore_sql", "cluster", "gpu_train"]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
