@@ -1002,12 +1002,11 @@ class EmbeddedStore:
         after DuckDB invalidated it; DuckDB replays its WAL). Raises StorageError if it cannot
         be opened yet; the writer tries again later."""
         with self._reader_lock:
-            for cursor in list(self._readers.values()) + [self._reader_root, self._con]:
-                try:
-                    cursor.close()
-                except duckdb.Error:
-                    pass
-            self._readers.clear()
+            self._close_readers()
+            try:
+                self._con.close()
+            except duckdb.Error:
+                pass
             # (a cached instance of the invalid database would be handed back while any
             # connection to it is open: all are closed above)
             self._con = connect_duckdb(self.path, self._memory_limit)
@@ -1026,16 +1025,21 @@ class EmbeddedStore:
         except duckdb.Error:
             pass
         with self._reader_lock:
-            cursors = [v.cursor for v in self._value_readers.values()]
-            for cursor in cursors + list(self._readers.values()) + [self._reader_root]:
-                try:
-                    cursor.close()
-                except duckdb.Error:
-                    pass
-            self._readers.clear()
-            self._value_readers.clear()
+            self._close_readers()
         self._con.close()
         self.blobs.close()
+
+    def _close_readers(self) -> None:
+        """Close every reader cursor, the query cursors too (``_reader_lock`` held); their
+        threads get new ones on their next read."""
+        cursors = [v.cursor for v in self._value_readers.values()]
+        for cursor in cursors + list(self._readers.values()) + [self._reader_root]:
+            try:
+                cursor.close()
+            except duckdb.Error:
+                pass
+        self._readers.clear()
+        self._value_readers.clear()
 
     def __enter__(self) -> "EmbeddedStore":
         return self
