@@ -234,7 +234,12 @@ class RemoteStore:
             body["consumer"] = consumer
         if lease_seconds is not None:
             body["lease_seconds"] = lease_seconds
-        return _claim_from_results(self._fast("claim_many", body).result(self._timeout))
+        claim = _claim_from_results(self._fast("claim_many", body).result(self._timeout))
+        if not claim.claim_id:
+            # Nothing was claimed: the answer carries no stream, so the empty tables come from
+            # the claim schemas this client knows (as an embedded store's empty claim has them).
+            claim.tables = {r.table: self.claim_schema(r.table).empty_table() for r in requests}
+        return claim
 
     def ack(self, claim_id: str) -> dict[str, Any]:
         """Mark a claim's rows consumed; durable on return; acking twice is harmless."""

@@ -75,7 +75,8 @@ class Claim:
 
     ``tables`` maps each table to its claimed rows (meta, data with references resolved, status
     columns); ``data`` is the first table's rows, for the common one-table claim. An empty claim
-    (nothing ready) has ``claim_id == ""`` and holds no lease.
+    (nothing ready) has ``claim_id == ""``, holds no lease, and maps every table it asked for to
+    an empty table with that table's claim schema.
     """
 
     claim_id: str

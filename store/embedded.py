@@ -344,7 +344,9 @@ class EmbeddedStore:
                 rows = live.select(req.limit, req.group_size,
                                    None if ok is None else _member_of(ok))
                 if len(rows) < req.min_rows:
-                    return Claim("", owner, 0.0, {})
+                    return Claim("", owner, 0.0, {
+                        live.tdef.name: live.tdef.claim_schema().empty_table()
+                        for live in lives})
                 picks.append(rows)
             seconds = lease_seconds or max(live.tdef.lease_seconds for live in lives)
             lease = Lease(uuid.uuid4().hex, owner, time.time() + seconds, [])

@@ -62,6 +62,15 @@ def test_empty_claim(any_store):
     s.create_table("t", {"reward": "float64"})
     claim = s.claim("t", 4)
     assert not claim and claim.num_rows == 0 and claim.claim_id == ""
+    # The empty answer still has the claim's schema: code that reads columns needs no branch.
+    assert claim.table == "t" and claim.data.schema == s.claim_schema("t")
+    assert claim.data.column("reward").to_pylist() == []
+    s.create_table("u", {"response": "string"})
+    s.put("u", {"sample_id": ["q0_0_0"], "response": ["4"]})
+    both = s.claim_many([ClaimRequest("t", 2), ClaimRequest("u", 2)])
+    assert not both and both.claim_id == ""
+    assert {n: t.schema for n, t in both.tables.items()} == {"t": s.claim_schema("t"),
+                                                               "u": s.claim_schema("u")}
     with pytest.raises(NotFound, match="nope"):
         s.claim("nope", 4)
 
