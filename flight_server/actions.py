@@ -106,6 +106,34 @@ def _bump(s: EmbeddedStore, b: dict[str, Any]) -> Any:
     return {"table": b["table"], "version": version, "weights_uri": b.get("weights_uri")}
 
 
+def _arrive(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    check_fields(b, "arrive", ("tables", "expected"), ("weights_uri", "timeout"))
+    tables = b["tables"]
+    if not isinstance(tables, list) or not tables or not all(isinstance(t, str) for t in tables):
+        raise InvalidArgument(f"arrive 'tables' {tables!r} is not a list of table names")
+    answer = s.arrive_poll(tables, expected=b["expected"], weights_uri=b.get("weights_uri"),
+                           timeout=_wait_seconds(b, "arrive"))
+    return {"tables": tables, **answer}
+
+
+def _set_barrier_timeout(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    check_fields(b, "set_barrier_timeout", ("table", "seconds"))
+    return {"table": b["table"], "seconds": s.set_barrier_timeout(b["table"], b["seconds"])}
+
+
+def _barrier(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    return s.barrier(check_fields(b, "barrier", ("table",))["table"])
+
+
+def _wait_seconds(b: dict[str, Any], action: str) -> float:
+    timeout = b.get("timeout", 30.0)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or \
+            not 0 <= timeout <= MAX_WAIT_SECONDS:
+        raise InvalidArgument(f"{action} timeout {timeout!r} is invalid; expected seconds "
+                              f"in [0, {MAX_WAIT_SECONDS}]")
+    return float(timeout)
+
+
 def _get_version(s: EmbeddedStore, b: dict[str, Any]) -> Any:
     check_fields(b, "get_version", ("table",))
     return {"table": b["table"], "version": s.get_version(b["table"]),
@@ -117,11 +145,7 @@ MAX_WAIT_SECONDS = 300.0
 
 def _wait_version(s: EmbeddedStore, b: dict[str, Any]) -> Any:
     check_fields(b, "wait_version", ("table", "min_version"), ("timeout",))
-    timeout = b.get("timeout", 30.0)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or \
-            not 0 <= timeout <= MAX_WAIT_SECONDS:
-        raise InvalidArgument(f"wait_version timeout {timeout!r} is invalid; expected seconds "
-                              f"in [0, {MAX_WAIT_SECONDS}]")
+    timeout = _wait_seconds(b, "wait_version")
     min_version = b["min_version"]
     if not isinstance(min_version, int) or isinstance(min_version, bool):
         raise InvalidArgument(f"min_version {min_version!r} is not an integer")
@@ -180,6 +204,14 @@ ACTIONS: dict[str, ActionSpec] = {a.name: a for a in [
     ActionSpec("nack", "writer", "Return a claim's rows to ready. Body: {claim_id}", _nack),
     ActionSpec("bump_version", "admin", "Bump a table's version group (compare-and-set). Body: "
                "{table, expected?, weights_uri?}", _bump),
+    ActionSpec("arrive", "admin", "Arrive at the version group's barrier after a global batch "
+               "at version `expected`; the group is bumped once every member table arrived. "
+               "Long poll. Body: {tables: [table], expected, weights_uri?, timeout? (s, default "
+               "30, max 300)}. Answer: {tables, version, complete, waiting_for}", _arrive),
+    ActionSpec("set_barrier_timeout", "admin", "How long the table's version group's barrier "
+               "waits for its last member. Body: {table, seconds}", _set_barrier_timeout),
+    ActionSpec("barrier", "reader", "The state of the table's version group's barrier. Body: "
+               "{table}", _barrier),
     ActionSpec("get_version", "reader", "Current version and weights. Body: {table}",
                _get_version),
     ActionSpec("wait_version", "reader", "Long-poll until version ≥ min_version. Body: {table, "

@@ -34,6 +34,10 @@ SESSION_PUT_ROWS = 64
 SESSION_PUT_BYTES = 256 * 1024
 # How a server that predates session puts refuses one (the client then uses do_put).
 NOT_ON_SESSION = "is not served on a session"
+# Seconds one ``arrive`` call waits on the server (a long poll, re-sent until the barrier ends),
+# and how long ``arrive`` goes on arriving again while the server cannot be reached.
+ARRIVE_POLL_SECONDS = 60.0
+RECONNECT_SECONDS = 120.0
 
 
 class RemoteStore:
@@ -294,6 +298,39 @@ class RemoteStore:
             body["weights_uri"] = weights_uri
         return int(self._json("bump_version", body)["version"])
 
+    def arrive(self, tables: str | list[str], *, expected: int,
+               weights_uri: str | None = None) -> int:
+        """Arrive at the version group's barrier (see :meth:`EmbeddedStore.arrive`): long
+        polls until every member arrived and the group's version advanced. Arrivals are soft
+        state on the server: after it restarts, this arrives again (the same ``expected``
+        answers at once if the barrier completed before the restart)."""
+        body: dict[str, Any] = {"tables": [tables] if isinstance(tables, str) else list(tables),
+                                "expected": expected, "timeout": ARRIVE_POLL_SECONDS}
+        if weights_uri is not None:
+            body["weights_uri"] = weights_uri
+        lost_since: float | None = None
+        while True:
+            try:
+                answer = self._json("arrive", body, timeout=ARRIVE_POLL_SECONDS + 30)
+            except Unavailable:
+                # The server went away (a restart forgets arrivals): arrive again once it is
+                # back, for as long as a restart may take.
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since > RECONNECT_SECONDS:
+                    raise
+                time.sleep(0.5)
+                continue
+            lost_since = None
+            if answer["complete"]:
+                return int(answer["version"])
+
+    def set_barrier_timeout(self, table: str, seconds: float) -> float:
+        return float(self._json("set_barrier_timeout", {"table": table,
+                                                        "seconds": seconds})["seconds"])
+
+    def barrier(self, table: str) -> dict[str, Any]:
+        return self._json("barrier", {"table": table})
+
     def wait_version(self, table: str, min_version: int, timeout: float | None = None) -> int:
         """Long-poll the server until the version reaches ``min_version`` (no client polling:
         each call blocks server-side for up to 300 s)."""
@@ -337,7 +374,7 @@ class RemoteStore:
     def checkpoint(self) -> None:
         self._json("checkpoint")
 
-    def subscribe(self, table: str, micro_batch_size: int, global_batch_size: int,
+    def subscribe(self, table: str | list[str], micro_batch_size: int, global_batch_size: int,
                   **options: Any) -> "RemoteSubscription":
         from .subscriber import RemoteSubscription
         return RemoteSubscription(self, table, micro_batch_size, global_batch_size, **options)

@@ -8,6 +8,14 @@ something. Answers go out in the order of the messages. An ack is handed to the 
 without waiting for its commit (its answer is sent once it is durable), so the bump that follows
 the last ack of a global batch is queued right behind it and may share its commit. When the
 client goes away, its in-flight micro-batches are nacked so that their rows are ready again.
+
+A ``bump`` arrives at the version group's barrier (store/barrier.py) and is answered once the
+group's version advanced; the loop waits for it in steps, so that a shutdown is not held up by a
+barrier still waiting for another agent's trainer.
+
+A subscription over several tables (``"tables": [...]``) sends each micro-batch as one record
+batch of :data:`MULTI_SCHEMA`: one row per table, with that table's rows as an Arrow IPC stream
+(the tables' claim schemas differ, and one Flight stream has one schema).
 """
 from __future__ import annotations
 
@@ -23,7 +31,8 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from store.embedded import EmbeddedStore
-from store.errors import ExpstoreError, InvalidArgument
+from store.errors import ExpstoreError, InvalidArgument, Unavailable
+from store.ipc import ipc_stream
 from store.subscription import MicroBatch, Subscription
 
 from .auth import Principal
@@ -34,8 +43,13 @@ log = logging.getLogger("expstore.exchange")
 # Queued by an ack's Future once it is done: the loop sends the answers that are ready.
 _SETTLED = {"type": "_settled"}
 
-SUBSCRIBE_FIELDS = {"table", "micro_batch_size", "global_batch_size", "where", "group_by",
-                    "group_size", "consumer", "max_in_flight", "lease_seconds"}
+SUBSCRIBE_FIELDS = {"table", "tables", "micro_batch_size", "global_batch_size", "where",
+                    "group_by", "group_size", "consumer", "max_in_flight", "lease_seconds"}
+#: The stream schema of a subscription over several tables: a row per table of a micro-batch.
+MULTI_SCHEMA = pa.schema([pa.field("table", pa.string(), nullable=False),
+                          pa.field("rows", pa.binary(), nullable=False)])
+#: Seconds a bump waits on the barrier between two looks at the server's shutdown.
+ARRIVE_STEP = 1.0
 
 
 def parse_subscribe(command: bytes) -> dict[str, Any]:
@@ -51,7 +65,16 @@ def parse_subscribe(command: bytes) -> dict[str, Any]:
     if extra:
         raise InvalidArgument(f"subscribe has unknown fields {sorted(extra)}; expected "
                               f"{sorted(SUBSCRIBE_FIELDS)}")
-    for required in ("table", "micro_batch_size", "global_batch_size"):
+    if ("table" in sub) == ("tables" in sub):
+        raise InvalidArgument("subscribe needs 'table' (one table) or 'tables' (a list), not "
+                              "both")
+    if "tables" in sub:
+        tables = sub.pop("tables")
+        if not isinstance(tables, list) or not tables or \
+                not all(isinstance(t, str) for t in tables):
+            raise InvalidArgument(f"subscribe 'tables' {tables!r} is not a list of table names")
+        sub["table"] = tables if len(tables) > 1 else tables[0]
+    for required in ("micro_batch_size", "global_batch_size"):
         if required not in sub:
             raise InvalidArgument(f"subscribe needs {required!r}")
     return sub
@@ -91,9 +114,12 @@ class ExchangeSession:
         self._done = False
 
     def run(self) -> None:
-        self._writer.begin(self._store.claim_schema(self._sub.table))
-        self._writer.write_metadata(_meta({"type": "subscribed", "table": self._sub.table,
-                                           "version": self._sub.version}))
+        multi = len(self._sub.tables) > 1
+        self._writer.begin(MULTI_SCHEMA if multi else self._store.claim_schema(self._sub.table))
+        hello = {"type": "subscribed", "table": self._sub.table, "version": self._sub.version}
+        if multi:
+            hello["tables"] = self._sub.tables
+        self._writer.write_metadata(_meta(hello))
         thread = threading.Thread(target=self._read_client, name="expstore-exchange-reader",
                                   daemon=True)
         thread.start()
@@ -225,8 +251,8 @@ class ExchangeSession:
                 return {"type": "acked", "request": request}, future
             if kind == "bump":
                 self._principal.require("admin", "bump_version")
-                version = self._sub.bump_version(msg.get("weights_uri"))
-                return {"type": "bumped", "request": request, "version": version}, None
+                return {"type": "bumped", "request": request,
+                        "version": self._arrive(msg.get("weights_uri"))}, None
             if kind == "resume":
                 self._sub.resume()
                 return {"type": "resumed", "request": request}, None
@@ -234,6 +260,23 @@ class ExchangeSession:
                                   "nack, bump, resume or close")
         except ExpstoreError as e:
             return _error(request, e), None
+
+    def _arrive(self, weights_uri: Any) -> int:
+        """Arrive at the barrier for the subscription's tables and start the next global batch
+        at the group's new version."""
+        # The acks answered before the bump are durable first: a trainer that sent them
+        # without waiting hears of them before a wait on other agents' trainers.
+        self._send_answers(wait=True)
+        tables = self._sub.tables if len(self._sub.tables) > 1 else self._sub.table
+        while True:
+            if self._stopping.is_set():
+                raise Unavailable("the server is shutting down while this bump waited at the "
+                                  "barrier; arrive again once it is back")
+            answer = self._store.arrive_poll(tables, expected=self._sub.version,
+                                             weights_uri=weights_uri, timeout=ARRIVE_STEP)
+            if answer["complete"]:
+                self._sub.advance(int(answer["version"]))
+                return self._sub.version
 
     # -- micro-batches -------------------------------------------------------------------------
     def _can_deliver(self) -> bool:
@@ -247,7 +290,13 @@ class ExchangeSession:
         meta = {"type": "micro_batch", "claim_id": batch.claim_id, "index": batch.index,
                 "is_boundary": batch.is_boundary, "version": batch.version,
                 "global_batch": batch.global_batch, "rows": batch.num_rows}
-        data = batch.data
-        record = (data.combine_chunks().to_batches()[0] if data.num_rows
-                  else pa.RecordBatch.from_pylist([], schema=data.schema))
+        if len(self._sub.tables) > 1:
+            meta["tables"] = {name: t.num_rows for name, t in batch.tables.items()}
+            record = pa.record_batch([pa.array(list(batch.tables), pa.string()),
+                                      pa.array([ipc_stream(t) for t in batch.tables.values()],
+                                               pa.binary())], schema=MULTI_SCHEMA)
+        else:
+            data = batch.data
+            record = (data.combine_chunks().to_batches()[0] if data.num_rows
+                      else pa.RecordBatch.from_pylist([], schema=data.schema))
         self._writer.write_with_metadata(record, _meta(meta))

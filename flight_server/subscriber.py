@@ -23,7 +23,7 @@ import pyarrow.flight as flight
 from store.errors import ERROR_CLASSES, ExpstoreError, InvalidArgument, StoreClosed, \
     Unavailable
 
-from store.subscription import MicroBatch
+from store.subscription import MicroBatch, rows_of_all
 
 from .errors import from_flight
 
@@ -47,15 +47,18 @@ class RemoteSubscription:
     """Iterator of micro-batches pushed by the server; same interface as
     :class:`store.subscription.Subscription`."""
 
-    def __init__(self, remote: Any, table: str, micro_batch_size: int, global_batch_size: int,
-                 *, idle_timeout: float | None = None, **options: Any) -> None:
-        self.table = table
+    def __init__(self, remote: Any, table: str | list[str], micro_batch_size: int,
+                 global_batch_size: int, *, idle_timeout: float | None = None,
+                 **options: Any) -> None:
+        self.tables = [table] if isinstance(table, str) else list(table)
+        self.table = self.tables[0] if self.tables else ""
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
         self.idle_timeout = idle_timeout
         self.max_in_flight = int(options.get("max_in_flight") or 2)
         self._unsettled: set[str] = set()
-        command = {"subscribe": {"table": table, "micro_batch_size": micro_batch_size,
+        which = {"table": table} if isinstance(table, str) else {"tables": self.tables}
+        command = {"subscribe": {**which, "micro_batch_size": micro_batch_size,
                                  "global_batch_size": global_batch_size,
                                  **{k: v for k, v in options.items() if v is not None}}}
         descriptor = flight.FlightDescriptor.for_command(json.dumps(command).encode())
@@ -96,10 +99,16 @@ class RemoteSubscription:
                 chunk = self._reader.read_chunk()
                 meta = json.loads(chunk.app_metadata.to_pybytes()) if chunk.app_metadata else {}
                 if meta.get("type") == "micro_batch":
-                    data = pa.Table.from_batches([chunk.data])
+                    if "tables" in meta:  # several tables: a row per table, its rows as IPC
+                        tables = {name: pa.ipc.open_stream(rows).read_all() for name, rows in zip(
+                            chunk.data.column(0).to_pylist(), chunk.data.column(1).to_pylist())}
+                        data = rows_of_all(tables)
+                    else:
+                        data = pa.Table.from_batches([chunk.data])
+                        tables = {self.table: data}
                     self._batches.put(RemoteMicroBatch(
                         data, self.table, meta["claim_id"], meta["index"], meta["is_boundary"],
-                        meta["version"], meta["global_batch"], self))
+                        meta["version"], meta["global_batch"], self, tables))
                 elif meta.get("type") == "closing":
                     # The server is shutting down and waits for us to end our side.
                     error = Unavailable("the server is shutting down; subscribe again once it "
@@ -236,7 +245,10 @@ class RemoteSubscription:
         return self._at_boundary
 
     def bump_version(self, weights_uri: str | None = None) -> int:
-        answer = self._request({"type": "bump", "weights_uri": weights_uri})
+        """Arrive at the version group's barrier (see :class:`store.subscription.Subscription`):
+        answered once the group's version advanced. No client timeout: the server answers
+        ``barrier_timeout`` when the group's barrier timeout passes."""
+        answer = self._request({"type": "bump", "weights_uri": weights_uri}, timeout=None)
         self.version = int(answer["version"])
         self.global_batch += 1
         self._at_boundary = False

@@ -32,11 +32,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
+from .barrier import DEFAULT_BARRIER_TIMEOUT, SETTING_PREFIX, Barrier, check_expected, \
+    check_timeout, encode_weights, weights_of
 from .blobs import BlobStore
 from .cache import ClaimCache
 from .claims import Claim, ClaimRequest, check_consumer, check_lease_seconds
 from .errors import AlreadyExists, StoreClosed, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
-    QueryRefused, QueryTimeout, StorageError, TableFull
+    QueryRefused, QueryTimeout, StorageError, TableFull, VersionConflict
 from .live import LOADING, Lease, LiveTable, Row
 from .naming import check_identifier, quote
 from .opening import connect_duckdb, ensure_catalog, run_checkpoint
@@ -116,6 +118,8 @@ class EmbeddedStore:
         self._live: dict[str, LiveTable] = state.live
         self._versions: dict[str, int] = state.versions
         self._weights: dict[str, str | None] = state.weights
+        self._barrier_timeouts: dict[str, float] = state.barrier_timeouts
+        self._barriers: dict[str, Barrier] = {}
         self._terminal_possible: set[str] = state.terminal_possible
         for tname, voided in state.voided.items():  # written by the writer's first group
             self._row_updates[tname] = {u.row_id: u for u in voided}
@@ -196,6 +200,8 @@ class EmbeddedStore:
             if not any(t.tdef.version_group == group for n, t in self._live.items() if n != name):
                 con.execute("DELETE FROM _expstore_groups WHERE name = ?", [group])
                 con.execute("DELETE FROM _expstore_versions WHERE version_group = ?", [group])
+                con.execute("DELETE FROM _expstore_settings WHERE key = ?",
+                            [SETTING_PREFIX + group])
             return True
 
         def apply(dropped: bool) -> None:
@@ -207,6 +213,9 @@ class EmbeddedStore:
             if not any(t.tdef.version_group == group for t in self._live.values()):
                 self._versions.pop(group, None)
                 self._weights.pop(group, None)
+                self._barrier_timeouts.pop(group, None)
+            # (A barrier round waiting for this table is woken by the writer's notify and
+            # waits for one member fewer.)
             for cid, lease in list(self._claims.items()):
                 lease.rows = [(t, r) for t, r in lease.rows if t is not live]
                 if not lease.rows:
@@ -224,7 +233,9 @@ class EmbeddedStore:
         live = self._live_table(name)
         d = live.tdef.describe()
         d["version"] = self._versions[live.tdef.version_group]
-        d["weights_uri"] = self._weights.get(live.tdef.version_group)
+        d["weights_uri"] = self.weights_uri(name)
+        d["barrier_timeout"] = self._barrier_timeouts.get(live.tdef.version_group,
+                                                          DEFAULT_BARRIER_TIMEOUT)
         return d
 
     def schema(self, name: str) -> pa.Schema:
@@ -778,8 +789,151 @@ class EmbeddedStore:
             return self._versions.get(group, -1)
 
     def weights_uri(self, table: str) -> str | None:
+        """Where the table's trainer published the weights of the current version (its own
+        URI after a barrier bump, the group's after ``bump_version``)."""
         live = self._live_table(table)
-        return self._weights.get(live.tdef.version_group)
+        return weights_of(self._weights.get(live.tdef.version_group), table)
+
+    # -- the barrier (unified weight updating; see store/barrier.py) ------------------------------
+    def arrive(self, tables: str | list[str], *, expected: int,
+               weights_uri: str | None = None) -> int:
+        """A trainer's global batch at version ``expected`` is done: arrive at its version
+        group's barrier and return the group's new version once every member table arrived.
+
+        Nothing is bumped or staled until the last member arrives; then the group's version
+        advances once (as ``bump_version``, with each member's ``weights_uri`` recorded for it).
+        ``tables`` may name several tables of one group (a subscription over several tables).
+        In a group of one table an arrival bumps at once.
+
+        Raises:
+            BarrierTimeout: the group's barrier timeout passed before every member arrived.
+            VersionConflict: the group's version is neither ``expected`` nor ``expected + 1``.
+        """
+        while True:
+            answer = self.arrive_poll(tables, expected=expected, weights_uri=weights_uri,
+                                      timeout=None)
+            if answer["complete"]:
+                return int(answer["version"])
+
+    def arrive_poll(self, tables: str | list[str], *, expected: int,
+                    weights_uri: str | None = None,
+                    timeout: float | None = None) -> dict[str, Any]:
+        """:meth:`arrive`, waiting at most ``timeout`` seconds (None: until the round ends).
+
+        Returns ``{"version", "complete", "waiting_for"}``: ``complete`` false when the caller's
+        timeout passed first (the arrival stays; arriving again with the same ``expected``
+        waits on, as a long poll does).
+        """
+        check_expected(expected)
+        if weights_uri is not None and not isinstance(weights_uri, str):
+            raise InvalidArgument(f"weights_uri {weights_uri!r} is not a string")
+        names = [tables] if isinstance(tables, str) else list(tables)
+        if not names:
+            raise InvalidArgument("arrive needs at least one table")
+        group = self._group_of(names)
+        caller_deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while True:
+                if self._closed:
+                    raise StoreClosed("the store is closed")
+                now = time.monotonic()
+                current = self._versions.get(group)
+                if current is None:
+                    raise NotFound(f"version group {group!r} does not exist")
+                barrier = self._barriers.get(group)
+                if barrier is not None and (barrier.expected < current
+                                            or barrier.forgotten(now)):
+                    del self._barriers[group]
+                    barrier = None
+                if current == expected + 1:
+                    return {"version": current, "complete": True, "waiting_for": []}
+                if current != expected:
+                    raise VersionConflict(
+                        f"version of {group!r} is {current}, not the expected {expected}: "
+                        f"table(s) {names} cannot arrive at version {expected}")
+                if barrier is None:
+                    barrier = Barrier(group, expected, self._barrier_timeouts.get(
+                        group, DEFAULT_BARRIER_TIMEOUT))
+                    self._barriers[group] = barrier
+                if barrier.failed is not None:
+                    barrier.told.update(names)
+                    raise barrier.failed
+                for name in names:
+                    barrier.arrived.setdefault(name, weights_uri)
+                members = self._members(group)
+                missing = barrier.missing(members)
+                if not missing and not barrier.bumping:
+                    barrier.bumping = True
+                    break
+                if missing and now >= barrier.deadline:
+                    barrier.fail(members, now)
+                    barrier.told.update(names)
+                    self._notify()
+                    raise barrier.failed  # type: ignore[misc]
+                if caller_deadline is not None and now >= caller_deadline:
+                    return {"version": current, "complete": False, "waiting_for": missing}
+                wait = barrier.deadline - now
+                if caller_deadline is not None:
+                    wait = min(wait, caller_deadline - now)
+                self._changed.wait(max(wait, 0.0))
+        # The last member arrived: bump once, for the whole group, outside the lock.
+        try:
+            new = int(self._writer.call(BumpOp(group, expected,
+                                               encode_weights(barrier.arrived))))
+        except ExpstoreError as e:
+            with self._changed:
+                if self._versions.get(group, -1) > expected:  # bumped meanwhile
+                    return {"version": self._versions[group], "complete": True,
+                            "waiting_for": []}
+                barrier.failed, barrier.failed_at = e, time.monotonic()
+                barrier.told.update(names)
+                self._notify()
+            raise
+        return {"version": new, "complete": True, "waiting_for": []}
+
+    def set_barrier_timeout(self, table: str, seconds: float) -> float:
+        """Set how long the barrier of the table's version group waits for its last member,
+        counted from a round's first arrival (durable; default 600 s)."""
+        seconds = check_timeout(seconds)
+        group = self._live_table(table).tdef.version_group
+
+        def run(con: duckdb.DuckDBPyConnection) -> None:
+            con.execute("INSERT OR REPLACE INTO _expstore_settings (key, value) VALUES (?, ?)",
+                        [SETTING_PREFIX + group, repr(seconds)])
+
+        def apply(_: None) -> None:
+            self._barrier_timeouts[group] = seconds
+
+        self._writer.call(CallOp(run, apply))
+        return seconds
+
+    def barrier(self, table: str) -> dict[str, Any]:
+        """The state of the table's version group's barrier: ``{"version_group", "version",
+        "members", "arrived", "waiting_for", "timeout", "seconds_left", "failed"}``."""
+        group = self._live_table(table).tdef.version_group
+        with self._lock:
+            members = self._members(group)
+            barrier = self._barriers.get(group)
+            timeout = self._barrier_timeouts.get(group, DEFAULT_BARRIER_TIMEOUT)
+            out: dict[str, Any] = {"version_group": group, "version": self._versions[group],
+                                   "members": members, "arrived": [], "waiting_for": [],
+                                   "timeout": timeout, "seconds_left": None, "failed": None}
+            if barrier is not None and barrier.expected == self._versions[group]:
+                out.update(arrived=sorted(barrier.arrived),
+                           waiting_for=barrier.missing(members),
+                           seconds_left=max(0.0, barrier.deadline - time.monotonic()),
+                           failed=None if barrier.failed is None else str(barrier.failed))
+            return out
+
+    def _members(self, group: str) -> list[str]:
+        return sorted(n for n, live in self._live.items() if live.tdef.version_group == group)
+
+    def _group_of(self, tables: list[str]) -> str:
+        groups = {name: self._live_table(name).tdef.version_group for name in tables}
+        if len(set(groups.values())) != 1:
+            raise InvalidArgument(f"tables {groups} are in different version groups; one "
+                                  "arrival (or subscription) covers tables of one group")
+        return next(iter(groups.values()))
 
     def wait_changed(self, since: int, timeout: float) -> int:
         """Block until something changed after change number ``since`` (for subscriptions)."""
@@ -974,7 +1128,8 @@ class EmbeddedStore:
         self._writer.call(CallOp(lambda con: None))
         self._writer.call(CallOp(run_checkpoint))
 
-    def subscribe(self, table: str, micro_batch_size: int, global_batch_size: int, **kwargs: Any):
+    def subscribe(self, table: str | list[str], micro_batch_size: int, global_batch_size: int,
+                  **kwargs: Any):
         """A micro-batch subscription; see :class:`store.subscription.Subscription`."""
         from .subscription import Subscription
         return Subscription(self, table, micro_batch_size, global_batch_size, **kwargs)

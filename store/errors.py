@@ -45,6 +45,13 @@ class VersionConflict(ExpstoreError):
     code = "version_conflict"
 
 
+class BarrierTimeout(ExpstoreError):
+    """A version group's barrier waited its timeout for a member that never arrived: nothing
+    was bumped (see store/barrier.py)."""
+
+    code = "barrier_timeout"
+
+
 class StaleVersion(ExpstoreError):
     """A write names a policy version outside the table's staleness bound, or in the future."""
 
@@ -125,7 +132,7 @@ ERROR_CLASSES: dict[str, type[ExpstoreError]] = {
     cls.code: cls
     for cls in (
         ExpstoreError, InvalidArgument, SchemaMismatch, NotFound, AlreadyExists,
-        VersionConflict, StaleVersion, LeaseExpired, QueryRefused, QueryTimeout,
+        VersionConflict, BarrierTimeout, StaleVersion, LeaseExpired, QueryRefused, QueryTimeout,
         CatalogOutdated, StoreClosed, StorageError, Unauthenticated, PermissionDenied,
         Unavailable, TableFull, StorageUnavailable,
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import duckdb
 
+from .barrier import SETTING_PREFIX
 from .live import TERMINAL_INDEX_MAX, LiveTable, Row
 from .naming import quote
 from .putlog import LeaseUpdate
@@ -28,6 +29,8 @@ class State:
     live: dict[str, LiveTable] = field(default_factory=dict)
     versions: dict[str, int] = field(default_factory=dict)
     weights: dict[str, str | None] = field(default_factory=dict)
+    #: Version group → its barrier timeout in seconds, where one was set.
+    barrier_timeouts: dict[str, float] = field(default_factory=dict)
     terminal_possible: set[str] = field(default_factory=set)
     #: Claim ids found on live rows: leases that ended before the restart or that it voided. A
     #: late ack or nack of one is refused with LeaseExpired, not reported as unknown.
@@ -45,6 +48,9 @@ def load_state(con: duckdb.DuckDBPyConnection) -> State:
             "SELECT version_group, arg_max(weights_uri, version) FROM _expstore_versions "
             "GROUP BY 1").fetchall():
         state.weights[group] = uri
+    for key, value in con.execute("SELECT key, value FROM _expstore_settings WHERE "
+                                  "starts_with(key, ?)", [SETTING_PREFIX]).fetchall():
+        state.barrier_timeouts[key[len(SETTING_PREFIX):]] = float(value)
     ended: set[str] = set()
     for name, definition in con.execute(
             "SELECT name, definition FROM _expstore_tables ORDER BY name").fetchall():

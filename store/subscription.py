@@ -6,6 +6,15 @@ accumulation boundary. It then delivers nothing more until the trainer bumps the
 (:meth:`Subscription.bump_version`) or calls :meth:`Subscription.resume`, so that no sample of the
 next global batch is claimed under the old weights.
 
+``bump_version`` *arrives* at the version group's barrier (store/barrier.py): in a group of one
+table that is the bump; in a group of several agents' tables it returns once every member's
+trainer has arrived and the group's version advanced once.
+
+A subscription over several tables (a shared model, or a centralised critic trained on every
+agent's samples) draws each micro-batch from all of them in one atomic claim: ``micro_batch_size``
+rows of each table, or nothing. Its tables share one version group; at its boundary it arrives
+for all of them at once.
+
 >>> import store, tempfile, os
 >>> s = store.connect(os.path.join(tempfile.mkdtemp(), "x.duckdb"))
 >>> _ = s.create_table("agent", {"reward": "float64"})
@@ -24,7 +33,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol
 
 import pyarrow as pa
@@ -34,13 +43,14 @@ from .errors import InvalidArgument
 
 
 class _Store(Protocol):
-    def claim(self, table: str, limit: int, **kw: Any) -> Claim: ...
+    def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
+                   lease_seconds: float | None = None) -> Claim: ...
     def ack(self, claim_id: str) -> dict[str, Any]: ...
     def ack_async(self, claim_id: str) -> Future: ...
     def nack(self, claim_id: str) -> dict[str, Any]: ...
     def get_version(self, table: str) -> int: ...
-    def bump_version(self, table: str, *, expected: int | None = None,
-                     weights_uri: str | None = None) -> int: ...
+    def arrive(self, tables: str | list[str], *, expected: int,
+               weights_uri: str | None = None) -> int: ...
     def wait_changed(self, since: int, timeout: float) -> int: ...
     @property
     def change_seq(self) -> int: ...
@@ -48,7 +58,12 @@ class _Store(Protocol):
 
 @dataclass
 class MicroBatch:
-    """One micro-batch: feed it to one gradient-accumulation step, then :meth:`ack` it."""
+    """One micro-batch: feed it to one gradient-accumulation step, then :meth:`ack` it.
+
+    ``tables`` maps each table to its rows; ``data`` is the rows of all of them (one table's
+    rows for a one-table subscription; for several, their rows in the subscription's table
+    order, columns unified by name, absent ones null). ``table`` is the first table.
+    """
 
     data: pa.Table
     table: str
@@ -58,6 +73,11 @@ class MicroBatch:
     version: int
     global_batch: int
     _sub: "Subscription"
+    tables: dict[str, pa.Table] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.tables:
+            self.tables = {self.table: self.data}
 
     @property
     def num_rows(self) -> int:
@@ -80,17 +100,22 @@ def _done(value: Any) -> Future:
 
 
 class Subscription:
-    """Iterator of :class:`MicroBatch` over one table (see the module docstring).
+    """Iterator of :class:`MicroBatch` over one table or several (see the module docstring).
 
     Args:
-        micro_batch_size: rows per micro-batch (a multiple of ``group_size`` for group claims).
-        global_batch_size: rows per global batch (a multiple of ``micro_batch_size``).
-        where, group_by, group_size: as for :meth:`store.embedded.EmbeddedStore.claim`.
+        table: a table, or a list of tables of one version group.
+        micro_batch_size: rows per micro-batch (a multiple of ``group_size`` for group claims);
+            with several tables, rows of each table.
+        global_batch_size: rows per global batch (a multiple of ``micro_batch_size``); with
+            several tables, rows of each table.
+        where, group_by, group_size: as for :meth:`store.embedded.EmbeddedStore.claim` (with
+            several tables, applied to each).
         max_in_flight: micro-batches handed out and not yet acked or nacked.
         idle_timeout: stop iterating after this many seconds without a micro-batch (None: never).
     """
 
-    def __init__(self, store: Any, table: str, micro_batch_size: int, global_batch_size: int,
+    def __init__(self, store: Any, table: str | list[str], micro_batch_size: int,
+                 global_batch_size: int,
                  *, where: str | None = None, group_by: str | None = None,
                  group_size: int | None = None, consumer: str | None = None,
                  max_in_flight: int = 2, lease_seconds: float | None = None,
@@ -106,23 +131,32 @@ class Subscription:
         if group_size and micro_batch_size % group_size:
             raise InvalidArgument(f"micro_batch_size {micro_batch_size} is not a multiple of "
                                   f"group_size {group_size}: groups are never split")
+        tables = [table] if isinstance(table, str) else list(table)
+        if not tables or len(set(tables)) != len(tables):
+            raise InvalidArgument(f"a subscription needs one table or a list of distinct "
+                                  f"tables, got {table!r}")
         # Check the claim arguments now, so that a bad subscription fails when it is made, not
         # at its first claim.
-        ClaimRequest(table, micro_batch_size, where, group_by, group_size,
-                     micro_batch_size).validated()
+        self._requests = [ClaimRequest(t, micro_batch_size, where, group_by, group_size,
+                                       micro_batch_size).validated() for t in tables]
+        if len(tables) > 1:
+            groups = {t: store.describe(t)["version_group"] for t in tables}
+            if len(set(groups.values())) != 1:
+                raise InvalidArgument(f"the tables of one subscription must share a version "
+                                      f"group (its boundary bumps them together); got {groups}")
         check_lease_seconds(lease_seconds)
         check_consumer(consumer)
         self._store = store
-        self.table = table
+        self.tables = tables
+        self.table = tables[0]
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
         self.micro_batches_per_global = global_batch_size // micro_batch_size
-        self._claim_args = {"where": where, "group_by": group_by, "group_size": group_size,
-                            "consumer": consumer or "subscription",
-                            "lease_seconds": lease_seconds, "min_rows": micro_batch_size}
+        self._claim_args = {"consumer": consumer or "subscription",
+                            "lease_seconds": lease_seconds}
         self.max_in_flight = max_in_flight
         self.idle_timeout = idle_timeout
-        self.version = store.get_version(table)
+        self.version = store.get_version(self.table)
         self.global_batch = 0
         self._index = 0
         self._paused = False
@@ -152,7 +186,7 @@ class Subscription:
                                       f"(max_in_flight={self.max_in_flight}); ack or nack one "
                                       "first")
             seen = self._store.change_seq
-            claim = self._store.claim(self.table, self.micro_batch_size, **self._claim_args)
+            claim = self._store.claim_many(self._requests, **self._claim_args)
             if claim:
                 return self._deliver(claim)
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -164,8 +198,9 @@ class Subscription:
 
     def _deliver(self, claim: Claim) -> MicroBatch:
         boundary = self._index == self.micro_batches_per_global - 1
-        batch = MicroBatch(claim.data, self.table, claim.claim_id, self._index, boundary,
-                           self.version, self.global_batch, self)
+        batch = MicroBatch(rows_of_all(claim.tables) if len(self.tables) > 1 else claim.data,
+                           self.table, claim.claim_id, self._index, boundary, self.version,
+                           self.global_batch, self, dict(claim.tables))
         self._in_flight[claim.claim_id] = batch
         self._index += 1
         if boundary:
@@ -191,12 +226,24 @@ class Subscription:
 
     # -- the accumulation boundary -------------------------------------------------------------
     def bump_version(self, weights_uri: str | None = None) -> int:
-        """After the optimizer step at a boundary: bump (compare-and-set) and start the next
-        global batch."""
-        new = self._store.bump_version(self.table, expected=self.version, weights_uri=weights_uri)
-        self.version = new
-        self.resume()
+        """After the optimizer step at a boundary: arrive at the version group's barrier for
+        this subscription's tables (in a group of one table, the bump itself), wait until the
+        group's version advanced, and start the next global batch at it.
+
+        Raises:
+            BarrierTimeout: another member of the group never arrived (see store/barrier.py).
+            VersionConflict: the group's version moved past this subscription's.
+        """
+        new = self._store.arrive(self.tables if len(self.tables) > 1 else self.table,
+                                 expected=self.version, weights_uri=weights_uri)
+        self.advance(new)
         return new
+
+    def advance(self, version: int) -> None:
+        """Start the next global batch at ``version`` (what :meth:`bump_version` does once its
+        arrival completed; the Flight server calls it after arriving on its own)."""
+        self.version = version
+        self.resume()
 
     def resume(self) -> None:
         """Start the next global batch without bumping (off-policy trainers)."""
@@ -223,3 +270,9 @@ class Subscription:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def rows_of_all(tables: dict[str, pa.Table]) -> pa.Table:
+    """The rows of several tables as one table: columns unified by name (absent ones null)."""
+    return pa.concat_tables([t.replace_schema_metadata(None) for t in tables.values()],
+                            promote_options="default")

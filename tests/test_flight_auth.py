@@ -35,7 +35,8 @@ NEEDS = {
     "describe": "reader", "list_tables": "reader", "health": "reader",
     "claim": "writer", "claim_many": "writer", "ack": "writer", "nack": "writer",
     "create_table": "admin", "drop_table": "admin", "bump_version": "admin", "gc": "admin",
-    "checkpoint": "admin",
+    "checkpoint": "admin", "arrive": "admin", "set_barrier_timeout": "admin",
+    "barrier": "reader",
 }
 _names = itertools.count()
 
@@ -65,6 +66,12 @@ def _exchange(ctx: Ctx) -> None:
         assert hello["type"] == "subscribed"
         writer.write_metadata(pa.py_buffer(b'{"type": "close"}'))
         writer.done_writing()
+
+
+def _arrive(ctx: Ctx) -> None:
+    """An arrival at the barrier of the table's own group (one member): a bump."""
+    version = json.loads(action(ctx.client, "get_version", {"table": TABLE}, ctx.admin)[0])
+    ctx.act("arrive", {"tables": [TABLE], "expected": version["version"], "timeout": 0})
 
 
 def _create_then_drop(ctx: Ctx) -> None:
@@ -100,6 +107,10 @@ OPERATIONS: dict[str, Callable[[Ctx], Any]] = {
     "health": lambda c: c.act("health", {}),
     "gc": lambda c: c.act("gc", {}),
     "checkpoint": lambda c: c.act("checkpoint", {}),
+    "arrive": _arrive,
+    "set_barrier_timeout": lambda c: c.act("set_barrier_timeout", {"table": TABLE,
+                                                                   "seconds": 600}),
+    "barrier": lambda c: c.act("barrier", {"table": TABLE}),
 }
 
 
