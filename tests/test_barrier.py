@@ -228,3 +228,44 @@ def test_trainers_subscriptions_bump_through_the_barrier(both):
     finally:
         for sub in subs.values():
             sub.close()
+
+
+def test_one_subscription_over_several_tables(both):
+    """A shared model (or a centralised critic) trained on every agent's samples: each
+    micro-batch holds micro_batch_size rows of each table, claimed in one atomic step; its
+    boundary arrives for all its tables at once."""
+    s = both
+    for name in AGENTS[:2]:
+        s.create_table(name, {"prompt": "string", "reward": "float64"}, version_group="pair")
+    s.create_table("other", {"reward": "float64"})
+    with pytest.raises(InvalidArgument, match="share a version group"):
+        s.subscribe(["solver", "other"], micro_batch_size=2, global_batch_size=4)
+    s.put("solver", {"sample_id": [f"s{i}_0_0" for i in range(4)], "prompt": ["p"] * 4,
+                     "reward": [1.0] * 4})
+    s.put("verifier", {"sample_id": ["v0_0_0"], "prompt": ["p"], "reward": [2.0]})
+    sub = s.subscribe(["solver", "verifier"], micro_batch_size=2, global_batch_size=4)
+    try:
+        # The verifier has one ready row: nothing is claimed from either table.
+        assert sub.next(timeout=0.5) is None
+        assert s.stats("solver")["solver"]["processing"] == 0
+        s.put("verifier", {"sample_id": [f"v{i}_0_0" for i in range(1, 4)],
+                           "prompt": ["p"] * 3, "reward": [2.0] * 3})
+        batches = []
+        for _ in range(2):
+            mb = sub.next(timeout=30)
+            assert mb is not None
+            assert {n: t.num_rows for n, t in mb.tables.items()} == {"solver": 2, "verifier": 2}
+            assert mb.data.num_rows == 4 and mb.data.column("reward").to_pylist() == [
+                1.0, 1.0, 2.0, 2.0]
+            assert mb.tables["verifier"].schema.names == s.claim_schema("verifier").names
+            mb.ack()
+            batches.append(mb)
+        assert [b.is_boundary for b in batches] == [False, True]
+        # One trainer for both tables: its arrival covers the whole group.
+        assert sub.bump_version("w-shared") == 1
+        assert s.get_version("solver") == s.get_version("verifier") == 1
+        assert s.weights_uri("solver") == s.weights_uri("verifier") == "w-shared"
+        consumed = [s.stats(n)[n]["consumed"] for n in AGENTS[:2]]
+        assert consumed == [4, 4]
+    finally:
+        sub.close()
