@@ -248,7 +248,10 @@ class RemoteSubscription:
         """Arrive at the version group's barrier (see :class:`store.subscription.Subscription`):
         answered once the group's version advanced. No client timeout: the server answers
         ``barrier_timeout`` when the group's barrier timeout passes."""
-        answer = self._request({"type": "bump", "weights_uri": weights_uri}, timeout=None)
+        # No ANSWER_TIMEOUT here: the barrier may wait for another agent's trainer for as long
+        # as the group's barrier timeout (the server answers then); a stream that ends fails
+        # this Future at once.
+        answer = self._send({"type": "bump", "weights_uri": weights_uri}).result()
         self.version = int(answer["version"])
         self.global_batch += 1
         self._at_boundary = False
