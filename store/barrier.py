@@ -90,9 +90,12 @@ def check_timeout(seconds: object) -> float:
 
 
 def encode_weights(arrived: dict[str, str | None]) -> str | None:
-    """The weights URI a barrier bump records for its group: the members' URIs as one JSON
-    object (``{"solver": "s3://…", "verifier": "s3://…"}``), or None when no trainer gave one."""
+    """The weights URI a barrier bump records for its group: one URI when every member gave the
+    same (a group of one table, a shared model), else the members' URIs as one JSON object
+    (``{"solver": "s3://…", "verifier": "s3://…"}``); None when no trainer gave one."""
     given = {table: uri for table, uri in sorted(arrived.items()) if uri is not None}
+    if len(set(arrived.values())) == 1:
+        return next(iter(arrived.values()))
     return json.dumps(given, sort_keys=True) if given else None
 
 
