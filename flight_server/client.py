@@ -239,10 +239,12 @@ class RemoteStore:
         if lease_seconds is not None:
             body["lease_seconds"] = lease_seconds
         claim = _claim_from_results(self._fast("claim_many", body).result(self._timeout))
-        if not claim.claim_id:
-            # Nothing was claimed: the answer carries no stream, so the empty tables come from
-            # the claim schemas this client knows (as an embedded store's empty claim has them).
-            claim.tables = {r.table: self.claim_schema(r.table).empty_table() for r in requests}
+        return claim if claim.claim_id else self._empty_claim(claim, requests)
+
+    def _empty_claim(self, claim: Claim, requests: list[ClaimRequest]) -> Claim:
+        """Nothing was claimed: the answer carries no stream, so the empty tables come from the
+        claim schemas this client knows (as an embedded store's empty claim has them)."""
+        claim.tables = {r.table: self.claim_schema(r.table).empty_table() for r in requests}
         return claim
 
     def ack(self, claim_id: str) -> dict[str, Any]:

@@ -215,7 +215,7 @@ class ClusterStore(RemoteStore):
             # on the session where there is one (the endpoints come from the directory)
             claim = _claim_from_results(self._fast("claim_many", body).result(self._timeout))
             if not claim.claim_id:
-                return claim
+                return self._empty_claim(claim, requests)
             try:
                 tables = {t: self.resolve(t, data) for t, data in claim.tables.items()}
             except LostValues as e:
