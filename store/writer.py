@@ -508,8 +508,9 @@ class Writer:
         """Start a CHECKPOINT, on every core, once DuckDB's WAL holds settings.wal_checkpoint_bytes.
 
         Why not DuckDB's own threshold: under sustained ingest (no idle time) DuckDB checkpoints
-        inside the COMMIT that crosses it, on its one thread: every few million rows one bulk put
-        took many times as long as the others, and every write waited behind it. Here the same
+        inside the COMMIT that crosses it, on its usual threads (every core but one: one thread
+        on 2 cores): every few million rows one bulk put took many times as long as the others,
+        and every write waited behind it. Here the same
         checkpoint runs on the checkpoint thread with every core (so it ends sooner), as an idle
         one does: meanwhile puts, acks and bumps that the put log takes go on.
         """
