@@ -46,6 +46,7 @@ def _sid(i: int) -> str:
 
 
 LONG = [_sid(i) for i in range(0, ROWS, 2)]
+INDEX = {_sid(i): i for i in range(ROWS)}
 
 
 @pytest.fixture
@@ -105,6 +106,24 @@ def test_claim_predicates_see_values(filled):
     s.ack(groups.claim_id)
     rest = s.claim("t", 10, where="list_contains(ids, 299)")
     assert sorted(rest.data.column("sample_id").to_pylist()) == [_sid(0), _sid(4)]
+
+
+def test_subscription_predicates_see_values(filled):
+    s = filled
+    sub = s.subscribe("t", micro_batch_size=1, global_batch_size=3,
+                      where="response LIKE '%long x%'")
+    try:
+        got = []
+        for _ in range(3):
+            mb = sub.next(timeout=20)
+            assert mb is not None, "no micro-batch within 20 s"
+            [sid] = mb.data.column("sample_id").to_pylist()
+            assert mb.data.column("response").to_pylist() == [_response(INDEX[sid])]
+            got.append(sid)
+            mb.ack()
+        assert sorted(got) == LONG
+    finally:
+        sub.close()
 
 
 def test_by_value_queries_never_read_the_blob_store(open_store, db_path):
