@@ -8,6 +8,14 @@ trajectory ends. With ``n`` samples per prompt, one query yields ``n`` planner, 
 ``n³`` verifier samples. Ids trace the tree: the solver prompt made from planner sample
 ``q3_0_1`` has input id ``q3.1`` (samples ``q3.1_1_k``), the verifier prompt made from solver
 sample ``q3.1_1_0`` has input id ``q3.1.0``; the ``parent_id`` column names the upstream sample.
+A sample's turn is its depth in the trajectory (the first agent's samples are turn 0).
+
+Routing per sample: an agent with a ``route`` decides each sample's next agent at run time from
+the sample's own output (``route(request, generation) -> agent id or None``), so trajectories
+branch by what the models say, and may cycle (a debate between two agents). ``max_turns`` bounds
+every trajectory: a sample at turn ``max_turns - 1`` goes nowhere (its ``next_agent_id`` is
+null), whatever its route says. Routed workflows need ``max_turns``; a chain of fixed
+``next_agent_id`` must not cycle without one.
 
 Scheduling follows FlexMARL's parallel sampling (section 5.1): rollouts are dependency-driven
 asyncio tasks. All queries run at once (inter-query parallelism) and the branches of one query
@@ -22,11 +30,15 @@ round's samples of that agent (:meth:`MultiAgentWorkflow.batch_sizes`), so no sa
 after the bump that would make it stale, and a trainer starts on micro-batches while the round's
 other rollouts, long tails included, are still running: the pipeline of section 4.3.
 
-Version groups: one per agent (the table's own name). The agents do not share parameters and
-each trainer bumps its own version when its agent's global batch is done; the planner's batch
-completes well before the verifier's. In a shared group the planner's bump would stale the
-solver's and verifier's still-unconsumed samples of the same round (``max_staleness=0``), so a
-shared group only fits a single trainer that updates all agents at once.
+Version groups: one per agent by default (the table's own name): the agents do not share
+parameters and each trainer bumps its own version when its agent's global batch is done.
+``create_tables(version_group="team")`` puts them in one group instead, for the paper's unified
+weight updating: each trainer's bump then arrives at the group's barrier, and every agent's
+version advances once all trainers have finished the round (store/barrier.py); an arrival stales
+no other agent's samples.
+
+With routing per sample, how many samples an agent gets in a round depends on what the models
+say: :meth:`MultiAgentWorkflow.batch_sizes` (fixed global batches) is for fixed chains only.
 
 Example (embedded store, tiny CPU models; see ``consumers/demo.py`` for trainers):
     >>> import store, tempfile, os
@@ -44,6 +56,7 @@ Example (embedded store, tiny CPU models; see ``consumers/demo.py`` for trainers
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import random
@@ -54,7 +67,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .rollout.base import RolloutBackend, SamplingConfig
+from .rollout.base import Generation, RolloutBackend, SamplingConfig
 from .rollout.driver import ROLLOUT_COLUMNS, RewardFn, RolloutDriver, RolloutRequest, RolloutSample
 from .writer import ExperienceWriter
 
@@ -81,6 +94,8 @@ class Agent:
         make_prompt: ``make_prompt(query_text, upstream_text)`` builds this agent's prompt
             (``upstream_text`` is None for the first agent).
         reward_fn: ``reward_fn(request, generation) -> float``.
+        route: ``route(request, generation) -> agent id or None``: the next agent of each
+            sample, decided from its own output at run time (None: ``next_agent_id`` for all).
     """
 
     name: str
@@ -88,6 +103,7 @@ class Agent:
     next_agent_id: int | None
     make_prompt: Callable[[str, str | None], str]
     reward_fn: RewardFn
+    route: Callable[[RolloutRequest, Generation], int | None] | None = None
 
 
 def _clean(text: str, limit: int) -> str:
@@ -172,12 +188,14 @@ class MultiAgentWorkflow:
         table_prefix: prefix of the agent tables (fresh names per run keep runs apart).
         max_workers: threads for generation and writes.
         version_timeout: seconds a round may wait for its agent's new version.
+        max_turns: the most turns (agent steps) of one trajectory; needed when routing can
+            cycle (an agent with a ``route``, or fixed ``next_agent_id`` s in a loop).
     """
 
     def __init__(self, store: Any, agents: Sequence[Agent], *, n: int = 2, max_new_tokens: int = 8,
                  sampling: SamplingConfig | None = None, latency: LatencyModel | None = None,
                  table_prefix: str = "", max_workers: int = 16,
-                 version_timeout: float = 120.0) -> None:
+                 version_timeout: float = 120.0, max_turns: int | None = None) -> None:
         if not agents:
             raise ValueError("a workflow needs at least one agent")
         ids = [a.agent_id for a in agents]
@@ -189,7 +207,18 @@ class MultiAgentWorkflow:
         for a in agents:
             if a.next_agent_id is not None and a.next_agent_id not in self.by_id:
                 raise ValueError(f"agent {a.name!r} routes to unknown agent id {a.next_agent_id}")
-        self.depth = self._depths()
+        if max_turns is not None and (not isinstance(max_turns, int) or max_turns < 1):
+            raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
+        self.routes_per_sample = any(a.route is not None for a in agents)
+        #: Agent name -> its turn in a fixed chain (the agents a fixed chain reaches); empty for
+        #: routed or cycling workflows, whose agents may sit at any turn.
+        self.depth = {} if self.routes_per_sample else self._depths(max_turns is not None)
+        if not self.depth and max_turns is None:
+            raise ValueError("routing decided per sample can cycle: give max_turns, the most "
+                             "turns of one trajectory")
+        self.max_turns = max_turns if max_turns is not None else len(self.depth)
+        self.depth = {name: d for name, d in self.depth.items() if d < self.max_turns}
+        self.reachable = set(self.depth) if self.depth else {a.name for a in agents}
         self.n = n
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
@@ -199,11 +228,15 @@ class MultiAgentWorkflow:
         self.version_timeout = version_timeout
         self.drivers: dict[str, RolloutDriver] = {}
 
-    def _depths(self) -> dict[str, int]:
-        depth, agent, seen = {}, self.agents[0], set()
-        for d in range(len(self.agents)):
+    def _depths(self, bounded: bool) -> dict[str, int]:
+        depth: dict[str, int] = {}
+        agent, seen = self.agents[0], set()
+        for d in itertools.count():
             if agent.agent_id in seen:
-                raise ValueError(f"agent routing has a cycle at {agent.name!r}")
+                if bounded:
+                    return {}  # a cycle that max_turns bounds: agents at any turn
+                raise ValueError(f"agent routing has a cycle at {agent.name!r}; give max_turns "
+                                 "to bound it")
             seen.add(agent.agent_id)
             depth[agent.name] = d
             if agent.next_agent_id is None:
@@ -213,7 +246,8 @@ class MultiAgentWorkflow:
 
     # -- set-up --------------------------------------------------------------------------------
     def create_tables(self, **options: Any) -> None:
-        """One table per agent, each its own version group (see the module docstring)."""
+        """One table per agent, each its own version group unless ``version_group`` is given
+        (see the module docstring); ``options`` go to ``create_table``."""
         for a in self.agents:
             self.store.create_table(self.tables[a.name], WORKFLOW_COLUMNS, required=REQUIRED,
                                     **{"max_staleness": 0, "if_not_exists": True, **options})
@@ -224,7 +258,15 @@ class MultiAgentWorkflow:
 
         The global batch is one round of that agent's samples,
         ``queries_per_round * n ** (depth + 1)``; micro-batches hold whole groups of ``n``.
+
+        Raises:
+            ValueError: routing is decided per sample, or cycles: a round's samples per agent
+                are not known in advance.
         """
+        if not self.depth:
+            raise ValueError("with routing decided per sample (or a bounded cycle) the samples "
+                             "an agent gets per round depend on the models' outputs: there is "
+                             "no fixed global batch per round")
         out = {}
         for a in self.agents:
             if a.name not in self.depth:
@@ -252,16 +294,18 @@ class MultiAgentWorkflow:
         Raises:
             TimeoutError: a round waited more than ``version_timeout`` for its version.
         """
-        missing = [a.name for a in self.agents if a.name in self.depth and a.name not in backends]
+        missing = [a.name for a in self.agents if a.name in self.reachable
+                   and a.name not in backends]
         if missing:
             raise ValueError(f"no rollout backend for agents {missing}")
         writers = {a.name: ExperienceWriter(self.store, self.tables[a.name], batch_rows=64,
                                             flush_interval=0.01)
-                   for a in self.agents if a.name in self.depth}
+                   for a in self.agents if a.name in self.reachable}
         try:
             self.drivers = {
                 name: RolloutDriver(backends[name], w, self._agent(name).reward_fn, n=self.n,
-                                    max_new_tokens=self.max_new_tokens, sampling=self.sampling)
+                                    max_new_tokens=self.max_new_tokens, sampling=self.sampling,
+                                    sample_columns=self._router(self._agent(name)))
                 for name, w in writers.items()}
             run = _Run(self, queries, queries_per_round, on_sample)
             result = asyncio.run(run.main())
@@ -278,6 +322,18 @@ class MultiAgentWorkflow:
 
     def _agent(self, name: str) -> Agent:
         return next(a for a in self.agents if a.name == name)
+
+    def _router(self, agent: Agent) -> Callable[[RolloutRequest, Generation], dict[str, Any]]:
+        """The ``next_agent_id`` of each of ``agent``'s samples, from its own output."""
+        def next_agent(request: RolloutRequest, generation: Generation) -> dict[str, Any]:
+            if request.turn + 1 >= self.max_turns:
+                return {"next_agent_id": None}  # the turn limit ends every trajectory
+            nxt = agent.route(request, generation) if agent.route else agent.next_agent_id
+            if nxt is not None and nxt not in self.by_id:
+                raise ValueError(f"agent {agent.name!r} routed sample of {request.input_id!r} "
+                                 f"to unknown agent id {nxt!r}; agent ids: {sorted(self.by_id)}")
+            return {"next_agent_id": nxt}
+        return next_agent
 
 
 class _Run:
@@ -346,7 +402,7 @@ class _Run:
     async def _query(self, qid: str, text: str, rnd: int) -> None:
         first = self.wf.agents[0]
         request = RolloutRequest(qid, first.make_prompt(text, None), 0, {
-            "query_id": qid, "parent_id": None, "next_agent_id": first.next_agent_id})
+            "query_id": qid, "parent_id": None})
         started = await self._branch(first, request, text, rnd)
         self.query_times[qid] = (started, time.monotonic())
 
@@ -354,8 +410,7 @@ class _Run:
         need = self.base[agent.name] + rnd
         await self._version(agent.name, need)
         started = time.monotonic()
-        await asyncio.sleep(self.wf.latency.sample(request.columns["query_id"],
-                                                   self.wf.depth[agent.name]))
+        await asyncio.sleep(self.wf.latency.sample(request.columns["query_id"], request.turn))
         driver = self.wf.drivers[agent.name]
         samples = await asyncio.get_running_loop().run_in_executor(
             self.pool, lambda: driver.rollout(request, min_version=need,
@@ -369,16 +424,15 @@ class _Run:
                 self.on_sample(table, s)
         children = []
         for s in samples:
-            nxt = s.request.columns.get("next_agent_id")  # the routing decision
+            nxt = s.columns.get("next_agent_id")  # decided from this sample's output
             if nxt is None:
                 continue
             child = self.wf.by_id[nxt]
             traj = s.generation.sample_index
             child_request = RolloutRequest(
                 f"{request.input_id}.{traj}", child.make_prompt(text, s.text),
-                self.wf.depth[child.name], {"query_id": request.columns["query_id"],
-                                            "parent_id": s.sample_id,
-                                            "next_agent_id": child.next_agent_id})
+                request.turn + 1, {"query_id": request.columns["query_id"],
+                                   "parent_id": s.sample_id})
             children.append(self._branch(child, child_request, text, rnd))
         self.routed[table] += len(children)
         await asyncio.gather(*children)

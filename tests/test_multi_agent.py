@@ -26,14 +26,17 @@ def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float
     return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
 
 
-def test_three_agents_route_train_on_their_own_versions_and_isolate_a_slow_query(tmp_path):
+@pytest.mark.parametrize("shared", [None, "team"])
+def test_three_agents_route_train_on_their_own_versions_and_isolate_a_slow_query(tmp_path, shared):
+    """``shared``: each agent its own version group, or all three in one (unified weight
+    updating: every trainer's bump arrives at the group's barrier)."""
     queries = [(f"q{i}", f"{i}+{3 * i}=?") for i in range(ROUNDS * PER_ROUND)]
     latency = LatencyModel(median=0.01, sigma=0.5, slow_fraction=0.1, slow_factor=4,
                            slow_queries={"q0": SLOW}, seed=1)
     with running_server(tmp_path / "x.duckdb") as server, RemoteStore(server.location) as s:
         wf = MultiAgentWorkflow(s, reference_agents(), n=N, max_new_tokens=6, latency=latency,
                                 version_timeout=60)
-        wf.create_tables()
+        wf.create_tables(**({"version_group": shared} if shared else {}))
         sizes = wf.batch_sizes(PER_ROUND)
         trainers: dict[str, TrainerThread] = {}
         for i, agent in enumerate(wf.agents):
@@ -84,15 +87,15 @@ def test_three_agents_route_train_on_their_own_versions_and_isolate_a_slow_query
         assert s.query("SELECT count(*) AS n FROM planner WHERE parent_id IS NOT NULL"
                        ).column("n")[0].as_py() == 0
 
-        # each trainer bumped its own version, once per round
+        # each trainer bumped its own version (or, in one group, the group's), once per round
         for table, t in trainers.items():
-            assert s.describe(table)["version_group"] == table
+            assert s.describe(table)["version_group"] == (shared or table)
             assert s.get_version(table) == ROUNDS
             assert [st.version for st in t.steps] == list(range(1, ROUNDS + 1))
-            bumps = s.query("SELECT version, weights_uri FROM _expstore_versions "
-                            "WHERE version_group = ? ORDER BY version", [table]).to_pylist()
-            assert [b["version"] for b in bumps] == list(range(ROUNDS + 1))
-            assert [b["weights_uri"] for b in bumps[1:]] == [st.weights_uri for st in t.steps]
+            bumps = s.query("SELECT version FROM _expstore_versions WHERE version_group = ? "
+                            "ORDER BY version", [shared or table]).column(0).to_pylist()
+            assert bumps == list(range(ROUNDS + 1))
+            assert s.weights_uri(table) == t.steps[-1].weights_uri  # its own weights
         # and the rollouts reloaded the published weights
         assert all(wf.drivers[a.name].reloads == ROUNDS for a in wf.agents)
 

@@ -53,7 +53,8 @@ from .base import Generation, PartialGeneration, RolloutBackend, SamplingConfig
 
 log = logging.getLogger("expstore.rollout")
 
-__all__ = ["ROLLOUT_COLUMNS", "RewardFn", "RolloutDriver", "RolloutRequest", "RolloutSample"]
+__all__ = ["ROLLOUT_COLUMNS", "RewardFn", "RolloutDriver", "RolloutRequest", "RolloutSample",
+           "SampleColumnsFn"]
 
 #: The data columns the driver writes; ``create_table(name, ROLLOUT_COLUMNS)`` makes a table for
 #: it (add the columns of any request extras).
@@ -91,6 +92,8 @@ class RolloutSample:
     reward: float
     policy_version: int
     finished_version: int
+    #: Columns decided from this generation (``sample_columns``), written with it.
+    columns: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -99,6 +102,9 @@ class RolloutSample:
 
 #: ``reward_fn(request, generation) -> float``.
 RewardFn = Callable[[RolloutRequest, Generation], float]
+#: ``sample_columns(request, generation) -> {column: value}``: columns decided from a sample's
+#: own output (e.g. the next agent), written with the sample.
+SampleColumnsFn = Callable[[RolloutRequest, Generation], Mapping[str, Any]]
 
 
 class RolloutDriver:
@@ -117,6 +123,8 @@ class RolloutDriver:
             it ran) is redone before it is dropped.
         load_published: load the weights the store records for the current version, if any,
             when the driver starts (a producer joining a run that already trained).
+        sample_columns: columns decided per sample from its generation (e.g. where a
+            multi-agent workflow routes it next); they override the request's ``columns``.
 
     Thread safety: :meth:`rollout` may be called from many threads at once (the backend
     serialises generation; the writer is thread-safe).
@@ -125,7 +133,8 @@ class RolloutDriver:
     def __init__(self, backend: RolloutBackend, writer: Any, reward_fn: RewardFn, *, n: int = 4,
                  max_new_tokens: int = 32, sampling: SamplingConfig | None = None,
                  stream_partial: bool = False, partial_every: int = 8,
-                 max_regenerations: int = 2, load_published: bool = True) -> None:
+                 max_regenerations: int = 2, load_published: bool = True,
+                 sample_columns: SampleColumnsFn | None = None) -> None:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if partial_every < 1:
@@ -140,6 +149,7 @@ class RolloutDriver:
         self.stream_partial = stream_partial
         self.partial_every = partial_every
         self.max_regenerations = max_regenerations
+        self.sample_columns = sample_columns
         self.max_staleness = int(writer.store.describe(self.table).get("max_staleness", 0))
         self._cond = threading.Condition()
         #: Version of the weights the backend held when the driver started without published
@@ -258,9 +268,11 @@ class RolloutDriver:
     def _write(self, request: RolloutRequest, gens: list[Generation],
                version: int) -> list[RolloutSample]:
         finished = max(version, int(self.writer.version))
-        rows, samples = [], []
+        rows, samples, decided = [], [], []
         for g in gens:
             sid = format_sample_id(request.input_id, request.turn, g.sample_index)
+            own = dict(self.sample_columns(request, g)) if self.sample_columns else {}
+            decided.append(own)
             rows.append({
                 "sample_id": sid, "policy_version": version, "finished_version": finished,
                 "prompt": request.prompt,
@@ -268,12 +280,13 @@ class RolloutDriver:
                 # sample merge in the writer's buffer.
                 "response": g.text, "response_status": True,
                 "token_ids": g.full_token_ids, "logprobs": g.logprobs,
-                "prompt_len": g.prompt_len, **request.columns})
+                "prompt_len": g.prompt_len, **request.columns, **own})
         self.writer.write(rows)
-        for g, row in zip(gens, rows):
+        for g, row, own in zip(gens, rows, decided):
             reward = float(self.reward_fn(request, g))
             self.writer.write({"sample_id": row["sample_id"], "policy_version": version,
                                "reward": reward})
-            samples.append(RolloutSample(row["sample_id"], request, g, reward, version, finished))
+            samples.append(RolloutSample(row["sample_id"], request, g, reward, version, finished,
+                                         own))
         self.samples_written += len(samples)
         return samples
