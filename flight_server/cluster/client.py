@@ -35,6 +35,7 @@ import pyarrow.flight as flight
 from store.claims import Claim, ClaimRequest
 from store.errors import ExpstoreError, InvalidArgument, Unavailable
 from store.types import one_array, parse_type
+from store.subscription import rows_of_all
 
 from ..client import RemoteStore, _claim_from_results, _request_json
 from ..errors import from_flight
@@ -236,7 +237,7 @@ class ClusterStore(RemoteStore):
             self._json("report_lost", {"node_id": node})
         self.cluster(refresh=True)
 
-    def subscribe(self, table: str, micro_batch_size: int, global_batch_size: int,
+    def subscribe(self, table: str | list[str], micro_batch_size: int, global_batch_size: int,
                   **options: Any) -> "ClusterSubscription":
         return ClusterSubscription(self, table, micro_batch_size, global_batch_size, **options)
 
@@ -353,7 +354,7 @@ class ClusterSubscription(RemoteSubscription):
     A micro-batch whose values cannot all be fetched is nacked (its slot is free again) and its
     nodes reported; the next micro-batch pushed is returned instead."""
 
-    def __init__(self, remote: ClusterStore, table: str, micro_batch_size: int,
+    def __init__(self, remote: ClusterStore, table: str | list[str], micro_batch_size: int,
                  global_batch_size: int, **options: Any) -> None:
         self._cluster = remote
         super().__init__(remote, table, micro_batch_size, global_batch_size, **options)
@@ -364,8 +365,10 @@ class ClusterSubscription(RemoteSubscription):
             if batch is None:
                 return None
             try:
-                return dataclasses.replace(batch, data=self._cluster.resolve(batch.table,
-                                                                             batch.data))
+                tables = {t: self._cluster.resolve(t, d) for t, d in batch.tables.items()}
+                return dataclasses.replace(
+                    batch, data=rows_of_all(tables) if len(tables) > 1 else tables[batch.table],
+                    tables=tables)
             except LostValues as e:
                 batch.nack()
                 for node in sorted(e.nodes):
