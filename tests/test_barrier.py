@@ -269,3 +269,49 @@ def test_one_subscription_over_several_tables(both):
         assert consumed == [4, 4]
     finally:
         sub.close()
+
+
+def test_a_subscription_whose_partner_never_arrives_hears_the_timeout(both):
+    s = both
+    for name in AGENTS[:2]:
+        s.create_table(name, {"reward": "float64"}, version_group="pair")
+    s.set_barrier_timeout("solver", 0.5)
+    _put(s, "solver", ["s0_0_0", "s1_0_0"])
+    with s.subscribe("solver", micro_batch_size=2, global_batch_size=2) as sub:
+        mb = sub.next(timeout=30)
+        mb.ack()
+        assert mb.is_boundary
+        with pytest.raises(BarrierTimeout, match=r"\['verifier'\] did not arrive"):
+            sub.bump_version("w")
+        # Nothing was bumped; the trainer may arrive again once its partner is back.
+        assert s.get_version("solver") == 0 and sub.version == 0 and sub.at_boundary
+        s.set_barrier_timeout("solver", 60)
+        partner = _arrive_in_thread(s, "verifier", 0)
+        assert sub.bump_version("w") == 1 and partner.get(timeout=30) == 1
+
+
+def test_arrivals_are_arrived_again_after_a_server_restart(tmp_path):
+    """Arrivals are soft state: a trainer waiting at the barrier when the server is killed
+    arrives again once it is back (the remote client does it), and the round completes."""
+    from reliability_helpers import ServerProcess
+
+    server = ServerProcess(tmp_path / "x.duckdb").start()
+    try:
+        with store.connect(server.uri) as admin:
+            _team(admin)
+            admin.drop_table("critic")
+            trainer = store.connect(server.uri)
+            solver = _arrive_in_thread(trainer, "solver", 0, weights_uri="w-solver")
+            deadline = time.monotonic() + 30
+            while admin.barrier("solver")["arrived"] != ["solver"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        server.kill()
+        server.start()
+        with store.connect(server.uri) as verifier:
+            assert verifier.arrive("verifier", expected=0, weights_uri="w-verifier") == 1
+            assert solver.get(timeout=60) == 1
+            assert verifier.weights_uri("solver") == "w-solver"
+        trainer.close()
+    finally:
+        server.stop()
