@@ -58,14 +58,16 @@ class Barrier:
     def missing(self, members: list[str]) -> list[str]:
         return sorted(set(members) - set(self.arrived))
 
-    def fail(self, members: list[str], now: float) -> None:
+    def fail(self, members: list[str], now: float) -> BarrierTimeout:
+        """End the round as timed out; returns its error."""
         missing = self.missing(members)
-        self.failed = BarrierTimeout(
+        self.failed = error = BarrierTimeout(
             f"the barrier of version group {self.group!r} at version {self.expected} timed out "
             f"after {self.timeout:g} s: table(s) {missing} did not arrive (arrived: "
             f"{sorted(self.arrived)}); nothing was bumped. Arrive again once their trainers "
             "are back, or raise the group's barrier timeout")
         self.failed_at = now
+        return error
 
     def forgotten(self, now: float) -> bool:
         """A failed round stops answering its failure once every table that had arrived was

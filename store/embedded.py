@@ -857,7 +857,7 @@ class EmbeddedStore:
                     self._barriers[group] = barrier
                 if barrier.failed is not None:
                     barrier.told.update(names)
-                    raise barrier.failed
+                    raise _fresh(barrier.failed)
                 for name in names:
                     barrier.arrived.setdefault(name, weights_uri)
                 members = self._members(group)
@@ -866,13 +866,14 @@ class EmbeddedStore:
                     barrier.bumping = True
                     break
                 if missing and now >= barrier.deadline:
-                    barrier.fail(members, now)
+                    error = barrier.fail(members, now)
                     barrier.told.update(names)
                     self._notify()
-                    raise barrier.failed  # type: ignore[misc]
+                    raise _fresh(error)
                 if caller_deadline is not None and now >= caller_deadline:
                     return {"version": current, "complete": False, "waiting_for": missing}
-                wait = barrier.deadline - now
+                # While the last arrival's bump commits, wait for it, not for the deadline.
+                wait = barrier.deadline - now if missing else 1.0
                 if caller_deadline is not None:
                     wait = min(wait, caller_deadline - now)
                 self._changed.wait(max(wait, 0.0))
@@ -1307,6 +1308,12 @@ def _remember(d: OrderedDict, key: str, value: Any, limit: int) -> None:
     d.move_to_end(key)
     while len(d) > limit:
         d.popitem(last=False)
+
+
+def _fresh(error: Exception) -> Exception:
+    """A new exception like ``error``: one raised in several threads would gather all of their
+    tracebacks."""
+    return type(error)(str(error))
 
 
 def _done(result: Any) -> Future:
