@@ -38,7 +38,7 @@ from .blobs import BlobStore
 from .cache import ClaimCache
 from .claims import Claim, ClaimRequest, check_consumer, check_lease_seconds
 from .errors import AlreadyExists, StoreClosed, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
-    QueryRefused, QueryTimeout, StorageError, TableFull, VersionConflict
+    QueryBusy, QueryRefused, QueryTimeout, StorageError, TableFull, VersionConflict
 from .live import LOADING, Lease, LiveTable, Row
 from .naming import check_identifier, quote
 from .opening import connect_duckdb, ensure_catalog, run_checkpoint
@@ -436,6 +436,8 @@ class EmbeddedStore:
             return set()
         try:
             rows = self._run_read(sql, [row_ids], limit, deadline)
+        except QueryBusy:
+            raise
         except QueryTimeout as e:
             raise QueryTimeout(f"claim predicate {where[:200]!r} ran past the query time limit "
                                f"of {limit} s and was cancelled") from e
@@ -978,7 +980,7 @@ class EmbeddedStore:
         (monotonic) by which the work must end, the wait included. The caller releases it."""
         deadline = time.monotonic() + limit
         if not self._query_slots.acquire(timeout=limit):
-            raise QueryTimeout(f"no query slot became free within {limit} s for {what}; too "
+            raise QueryBusy(f"no query slot became free within {limit} s for {what}; too "
                                "many concurrent queries (and claim predicates)")
         return deadline
 

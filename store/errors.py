@@ -76,6 +76,13 @@ class QueryTimeout(ExpstoreError):
     code = "query_timeout"
 
 
+class QueryBusy(QueryTimeout):
+    """No query slot became free within the time limit: the server was running as many queries
+    (and claim predicates) as it allows. Nothing ran; retrying later may succeed."""
+
+    code = "query_busy"
+
+
 class CatalogOutdated(ExpstoreError):
     """The database's catalog is older (or newer) than this version of expstore."""
 
@@ -133,7 +140,7 @@ ERROR_CLASSES: dict[str, type[ExpstoreError]] = {
     for cls in (
         ExpstoreError, InvalidArgument, SchemaMismatch, NotFound, AlreadyExists,
         VersionConflict, BarrierTimeout, StaleVersion, LeaseExpired, QueryRefused, QueryTimeout,
-        CatalogOutdated, StoreClosed, StorageError, Unauthenticated, PermissionDenied,
-        Unavailable, TableFull, StorageUnavailable,
+        QueryBusy, CatalogOutdated, StoreClosed, StorageError, Unauthenticated,
+        PermissionDenied, Unavailable, TableFull, StorageUnavailable,
     )
 }

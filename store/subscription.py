@@ -31,6 +31,7 @@ for all of them at once.
 """
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,7 +40,9 @@ from typing import Any, Iterator, Protocol
 import pyarrow as pa
 
 from .claims import Claim, ClaimRequest, check_consumer, check_lease_seconds
-from .errors import InvalidArgument
+from .errors import InvalidArgument, QueryBusy
+
+log = logging.getLogger("expstore.subscription")
 
 
 class _Store(Protocol):
@@ -186,7 +189,14 @@ class Subscription:
                                       f"(max_in_flight={self.max_in_flight}); ack or nack one "
                                       "first")
             seen = self._store.change_seq
-            claim = self._store.claim_many(self._requests, **self._claim_args)
+            try:
+                claim = self._store.claim_many(self._requests, **self._claim_args)
+            except QueryBusy as e:
+                # A predicate waits for a query slot like any query; people's SQL holding every
+                # slot must not end a trainer's subscription: it tries again, as after an empty
+                # claim. (A predicate that itself runs past the time limit still ends it.)
+                log.warning("subscription to %r: %s; trying again", self.table, e)
+                claim = None
             if claim:
                 return self._deliver(claim)
             remaining = None if deadline is None else deadline - time.monotonic()

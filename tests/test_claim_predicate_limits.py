@@ -9,7 +9,7 @@ import pytest
 
 import store
 from flight_fixtures import action, running_server
-from store.errors import QueryRefused, QueryTimeout
+from store.errors import QueryBusy, QueryRefused, QueryTimeout
 from waiting import wait_until
 
 SLOW = "SELECT count(*) FROM range(100000000) a, range(100000) b"
@@ -71,12 +71,19 @@ def test_a_claim_predicate_waits_for_a_query_slot_within_the_time_limit(tmp_path
         runner.start()
         wait_until(lambda: s._query_slots._value == 0, timeout=10,
                    message="the long query never took the query slot")
-        with pytest.raises(QueryTimeout, match="query slot.*claim predicate|claim predicate"):
+        with pytest.raises(QueryBusy, match="query slot.*claim predicate") as err:
             s.claim("solver", 4, where="reward > 0")
-        assert len(s.claim("solver", 2)) == 2
+        assert err.value.code == "query_busy"
+        # A subscription does not end for it: it waits, as for rows, and delivers once the
+        # slot is free.
+        sub = s.subscribe("solver", 2, 2, where="reward > 0")
+        assert sub.next(timeout=0.5) is None
+        assert len(s.claim("solver", 2)) == 2  # claims without a predicate are not held up
         runner.join(timeout=30)
         assert errors, "the long query should have been cancelled at its limit"
-        assert len(s.claim("solver", 4, where="reward > 0")) > 0  # the slot is free again
+        batch = sub.next(timeout=30)
+        assert batch is not None and batch.data.column("reward").to_pylist() == [1.0, 1.0]
+        sub.close()
 
 
 def test_a_slow_claim_predicate_is_cancelled_at_the_time_limit(tmp_path):

@@ -271,6 +271,7 @@ EXPECTED_FLIGHT_TYPE = {
     "unauthenticated": flight.FlightUnauthenticatedError,
     "permission_denied": flight.FlightUnauthorizedError,
     "query_timeout": flight.FlightTimedOutError,
+    "query_busy": flight.FlightTimedOutError,
     "store_closed": flight.FlightUnavailableError,
     "unavailable": flight.FlightUnavailableError,
     "table_full": flight.FlightUnavailableError,
