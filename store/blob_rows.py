@@ -287,10 +287,8 @@ def _read(t: pa.DataType | _Node, a: int, b: int, present: list[bool], counter, 
     return out.slice(a - a0) if a != a0 else out
 
 
-def read_rows(index: ChunkIndex, first: int, end: int, fetch: Fetch,
-              verify: bool = True) -> pa.Array:
-    """Rows ``[first, end)`` of an indexed chunk, their blocks' hashes checked (unless not
-    ``verify``).
+def read_rows(index: ChunkIndex, first: int, end: int, fetch: Fetch) -> pa.Array:
+    """Rows ``[first, end)`` of an indexed chunk, their blocks' hashes checked.
 
     The blocks holding the rows are read in one pass (one ``fetch`` per buffer), then each
     block's hash is computed over its part of what was read; the rows are a zero-copy slice.
@@ -320,10 +318,10 @@ def read_rows(index: ChunkIndex, first: int, end: int, fetch: Fetch,
 
     run, digest = read_block(index.type, start, stop, present, from_file)
     assert run is not None
-    if verify and len(blocks) == 1:
+    if len(blocks) == 1:
         if digest != int(index.hashes[blocks.start]):
             raise ValueError(f"block {blocks.start} does not match its checksum")
-    elif verify:
+    else:
         for block in blocks:
             lo, hi = index.block_range(block)
             if read_block(index.type, lo, hi, present, from_memory, build=False)[1] != \

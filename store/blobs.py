@@ -209,7 +209,8 @@ class BlobStore:
             OrderedDict()
         self._fds: OrderedDict[int, _OpenSegment] = OrderedDict()
         self.recent_bytes = recent_bytes
-        self._recent: OrderedDict[tuple[int, int, int], pa.Buffer] = OrderedDict()
+        # (segment, offset, length) -> (the chunk's values over its own buffer, its size)
+        self._recent: OrderedDict[tuple[int, int, int], tuple[pa.Array, int]] = OrderedDict()
         self._recent_held = 0
         try:
             if self._local:
@@ -301,22 +302,28 @@ class BlobStore:
 
     def _keep_recent(self, segment: int, pieces: list[_Staged]) -> None:
         """Keep the chunks just made durable readable from memory, the newest up to
-        :attr:`recent_bytes` (what they already occupied until now; nothing is copied).
+        :attr:`recent_bytes`: their values as arrays over the buffers the put serialised them
+        into (nothing is copied), from which a read slices or takes its rows.
 
         Why: O_DIRECT writes leave nothing in the page cache, so a claim of fresh rows read
-        them back from the device; trainers read what producers just wrote."""
+        them back from the device; trainers read what producers just wrote. The bytes never
+        left the process, so they are neither checksummed nor validated again."""
         if not self.recent_bytes:
             return
+        held = []
+        for piece in pieces:
+            chunk = piece.chunk if isinstance(piece.chunk, pa.Buffer) \
+                else pa.py_buffer(piece.chunk)
+            if HEADER_BYTES < len(chunk) <= self.recent_bytes:
+                stream = pa.ipc.open_stream(chunk.slice(HEADER_BYTES))  # stops before an index
+                held.append(((segment, piece.offset, len(chunk)),
+                             one_array(stream.read_next_batch().column(0)), len(chunk)))
         with self._cache_lock:
-            for piece in pieces:
-                chunk = piece.chunk if isinstance(piece.chunk, pa.Buffer) \
-                    else pa.py_buffer(piece.chunk)
-                if len(chunk) > self.recent_bytes:
-                    continue
-                self._recent[(segment, piece.offset, len(chunk))] = chunk
-                self._recent_held += len(chunk)
+            for ck, values, size in held:
+                self._recent[ck] = (values, size)
+                self._recent_held += size
             while self._recent_held > self.recent_bytes:
-                self._recent_held -= len(self._recent.popitem(last=False)[1])
+                self._recent_held -= self._recent.popitem(last=False)[1][1]
 
     def _write_local(self, path: str, pieces: list[_Staged], start: int, total: int) -> int:
         """Write ``pieces`` at ``start`` and fsync; return the segment's new end. A failed
@@ -455,13 +462,20 @@ class BlobStore:
                 raise StorageError(f"blob key {prefix}:{items[0][1]!r} is malformed") from None
             ck = (seg, off, length)
             rows = [r for _, r in items]
-            index = self._index(*ck)
-            whole = self._chunk(*ck) if index is None else None
+            with self._cache_lock:
+                held = self._recent.get(ck)
+            index = self._index(*ck) if held is None else None
+            whole = held[0] if held is not None else \
+                self._chunk(*ck) if index is None else None
             size = index.rows if index is not None else len(whole)  # type: ignore[arg-type]
             if min(rows) < 0 or max(rows) >= size:
                 raise StorageError(f"blob key row out of range in chunk {ck}")
-            piece = self._read_rows(ck, index, rows) if whole is None else \
-                whole.take(pa.array(rows, pa.int64()))
+            if whole is None:
+                piece = self._read_rows(ck, index, rows)
+            elif rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+                piece = whole.slice(rows[0], len(rows))
+            else:
+                piece = whole.take(pa.array(rows, pa.int64()))
             pieces.append(piece if piece.type == value_type else piece.cast(value_type))
             positions.extend(p for p, _ in items)
         values = pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
@@ -479,16 +493,10 @@ class BlobStore:
         is read in one pass (a zero-copy slice when the rows are consecutive, else a take)."""
         assert index is not None
         segment, offset, _ = ck
-        with self._cache_lock:
-            held = self._recent.get(ck)
-        if held is not None:
-            def fetch(i: int, lo: int, hi: int) -> pa.Buffer:
-                return held.slice(index.buffers[i][0] + lo, hi - lo)  # type: ignore[union-attr]
-        else:
-            pread = self._preader(segment)
+        pread = self._preader(segment)
 
-            def fetch(i: int, lo: int, hi: int) -> pa.Buffer:
-                return pread(offset + index.buffers[i][0] + lo, hi - lo)
+        def fetch(i: int, lo: int, hi: int) -> pa.Buffer:
+            return pread(offset + index.buffers[i][0] + lo, hi - lo)
 
         ordered = sorted(set(rows))
         block = index.block_rows
@@ -502,8 +510,7 @@ class BlobStore:
         try:
             for run in runs:
                 first, end = run[0], run[-1] + 1
-                # chunks still held from their put never left this process: nothing to check
-                values = blob_rows.read_rows(index, first, end, fetch, verify=held is None)
+                values = blob_rows.read_rows(index, first, end, fetch)
                 if len(run) != end - first:
                     values = values.take(pa.array([r - first for r in run], pa.int64()))
                 values.validate()
@@ -524,13 +531,7 @@ class BlobStore:
             if ck in self._indexes:
                 self._indexes.move_to_end(ck)
                 return self._indexes[ck]
-        with self._cache_lock:
-            held = self._recent.get(ck)
-        pread: Callable[[int, int], pa.Buffer]
-        if held is not None:
-            pread = lambda at, size: held.slice(at - offset, size)  # noqa: E731
-        else:
-            pread = self._preader(segment)
+        pread = self._preader(segment)
         where = f"blob chunk {segment}:{offset}:{length} in {self._path(segment)!r}"
         head = pread(offset, min(HEADER_BYTES, length)).to_pybytes()
         index: blob_rows.ChunkIndex | None = None
