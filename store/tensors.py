@@ -70,44 +70,67 @@ def tensor_problem(column: pa.Array) -> str | None:
     column = one_array(column)
     if len(column) == 0:
         return None
-    present = np.asarray(column.is_valid().to_numpy(zero_copy_only=False), bool)
-    shapes, datas = column.flatten()
-    missing = present & ~np.asarray(shapes.is_valid().to_numpy(zero_copy_only=False), bool)
-    missing |= present & ~np.asarray(datas.is_valid().to_numpy(zero_copy_only=False), bool)
-    if missing.any():
-        row = int(np.argmax(missing))
-        return (f"row {row} has no {'shape' if not shapes[row].is_valid else 'data'}; expected "
-                "both a shape and data")
-    ndims = np.asarray(pc.fill_null(pc.list_value_length(shapes), 0).to_numpy(), np.int64)
-    if (ndims > MAX_TENSOR_DIMS).any():
-        row = int(np.argmax(ndims > MAX_TENSOR_DIMS))
-        return (f"row {row} has {int(ndims[row])} dimensions; expected at most "
-                f"{MAX_TENSOR_DIMS}")
+    if column.null_count == 0 and _all_match(column):
+        return None
+    shapes, datas = column.flatten()  # null where the tensor is
+    if shapes.null_count != column.null_count or datas.null_count != column.null_count:
+        present = np.asarray(column.is_valid().to_numpy(zero_copy_only=False), bool)
+        has_shape = np.asarray(shapes.is_valid().to_numpy(zero_copy_only=False), bool)
+        row = int(np.argmax(present & ~(has_shape & np.asarray(
+            datas.is_valid().to_numpy(zero_copy_only=False), bool))))
+        return (f"row {row} has no {'shape' if not has_shape[row] else 'data'}; expected both a "
+                "shape and data")
     dims_array = pc.list_flatten(shapes)
+    parents = np.asarray(pc.list_parent_indices(shapes).to_numpy(), np.int64)
     if dims_array.null_count:
-        rows = pc.list_parent_indices(shapes).to_numpy()
-        row = int(rows[np.argmax(~np.asarray(dims_array.is_valid().to_numpy(
+        row = int(parents[np.argmax(~np.asarray(dims_array.is_valid().to_numpy(
             zero_copy_only=False), bool))])
         return (f"row {row} has a null dimension in its shape {shapes[row].as_py()}; expected "
                 "integers")
+    ndims = np.bincount(parents, minlength=len(column))
+    if ndims.max(initial=0) > MAX_TENSOR_DIMS:
+        row = int(np.argmax(ndims > MAX_TENSOR_DIMS))
+        return (f"row {row} has {int(ndims[row])} dimensions; expected at most "
+                f"{MAX_TENSOR_DIMS}")
     dims = np.asarray(dims_array.to_numpy(zero_copy_only=False), np.int64)
-    parents = np.asarray(pc.list_parent_indices(shapes).to_numpy(), np.int64)
     bad = (dims < 0) | (dims > MAX_TENSOR_DIM)
     if bad.any():
         row = int(parents[np.argmax(bad)])
         return (f"row {row} has the shape {shapes[row].as_py()}; expected each dimension in "
                 f"[0, {MAX_TENSOR_DIM}]")
-    # Products in float64 are exact up to 2**53; a larger one is no data length either.
+    # Products in float64 are exact up to 2**53; a larger one is no data length either. A null
+    # tensor has no dimensions (product 1) and no data (length 0 below): it is skipped.
     products = np.ones(len(column), np.float64)
     np.multiply.at(products, parents, dims.astype(np.float64))
-    lengths = np.asarray(pc.fill_null(pc.list_value_length(datas), 0).to_numpy(), np.float64)
-    wrong = present & (products != lengths)
+    lengths = np.asarray(pc.fill_null(pc.list_value_length(datas), -1).to_numpy(), np.float64)
+    wrong = (products != lengths) & (lengths >= 0)
     if wrong.any():
         row = int(np.argmax(wrong))
         return (f"row {row} has the shape {shapes[row].as_py()} ({products[row]:.0f} values) "
                 f"but {int(lengths[row])} values in its data; expected the product of the "
                 "shape's dimensions to be the number of values")
     return None
+
+
+def _all_match(column: pa.StructArray) -> bool:
+    """The usual case, checked fast from the offsets (no nulls anywhere, every tensor valid):
+    True if so; False sends :func:`tensor_problem` to its slower search for the bad row."""
+    shapes, datas = column.field(0), column.field(1)
+    if shapes.null_count or datas.null_count or shapes.values.null_count:
+        return False
+    offsets = shapes.offsets.to_numpy()
+    ndims = np.diff(offsets)
+    if ndims.size and ndims.max() > MAX_TENSOR_DIMS:
+        return False
+    dims = shapes.values.to_numpy()[offsets[0]:offsets[-1]]
+    if dims.size and (dims.min() < 0 or dims.max() > MAX_TENSOR_DIM):
+        return False
+    if ndims.size and (ndims == ndims[0]).all():
+        products = dims.astype(np.float64).reshape(len(ndims), int(ndims[0])).prod(axis=1)
+    else:
+        products = np.ones(len(ndims), np.float64)
+        np.multiply.at(products, np.repeat(np.arange(len(ndims)), ndims), dims)
+    return bool((products == np.diff(datas.offsets.to_numpy())).all())
 
 
 def to_numpy(column: pa.Array | pa.ChunkedArray) -> list[np.ndarray | None]:
