@@ -813,18 +813,6 @@ def test_refused_flight_sql_verbs_are_unimplemented(target, verb):
     assert check_call(target, action_call(verb, None, raw=b"")) == "(ArrowNotImplementedError)"
 
 
-def test_valid_calls_still_work_after_the_fuzzing(target):
-    """The fuzzed server still does its job (runs last in this module)."""
-    assert target.snapshot() == target.baseline
-    s = target.store
-    s.put("fz", {"sample_id": ["after_0_0"], "reward": [1.0], "response": ["r"],
-                 "token_ids": [[1]], "next_agent_id": [1]})
-    claim = s.claim("fz", 100)
-    assert claim.num_rows > 0
-    s.ack(claim.claim_id)
-    assert s.stats("fz")["fz"]["ready"] == 0
-
-
 # -- issue #29: each bad input found by outside testing, once, deterministically ------------------
 def _issue_29_calls() -> dict[str, Call]:
     calls: dict[str, Call] = {}
@@ -889,3 +877,15 @@ def test_issue_29_inputs_are_refused_with_a_typed_code(target, case):
                 else "invalid_argument" if case.startswith(("claim", "subscribe", "column"))
                 or "sample id" in case else "schema_mismatch")
     assert code == expected, f"{case}: {code}"
+
+
+def test_valid_calls_still_work_after_the_fuzzing(target):
+    """The fuzzed server still does its job (runs last in this module)."""
+    assert target.snapshot() == target.baseline
+    s = target.store
+    s.put("fz", {"sample_id": ["after_0_0"], "reward": [1.0], "response": ["r"],
+                 "token_ids": [[1]], "next_agent_id": [1]})
+    claim = s.claim("fz", 100)
+    assert claim.num_rows > 0
+    s.ack(claim.claim_id)
+    assert s.stats("fz")["fz"]["ready"] == 0
