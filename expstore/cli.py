@@ -630,12 +630,13 @@ def leases(table: str | None, target: Target, as_json: bool) -> None:
 # -- versions ---------------------------------------------------------------------------------
 @cli.group()
 def version() -> None:
-    """Show or bump a table's policy version (shared by its version group).
+    """Show or bump a table's policy version (shared by its version group); its barrier.
 
     \b
     Example:
         expstore version show solver
         expstore version bump solver --expected 3 --weights-uri s3://ckpt/step-4
+        expstore version barrier solver --timeout 120
     """
 
 
@@ -659,6 +660,33 @@ def version_show(table: str, target: Target, as_json: bool) -> None:
         echo_json(info)
     else:
         click.echo(format_pairs(list(info.items())))
+
+
+@version.command("barrier")
+@click.argument("table")
+@click.option("--timeout", "seconds", type=float, metavar="SECONDS",
+              help="Set how long the group's barrier waits for its last member (then the "
+                   "round fails with barrier_timeout).")
+@store_options()
+@json_option
+def version_barrier(table: str, seconds: float | None, target: Target, as_json: bool) -> None:
+    """Show the barrier of a table's version group: its members, who arrived at the current
+    version and who it waits for (unified weight updating).
+
+    \b
+    Example:
+        expstore version barrier solver
+        expstore version barrier solver --timeout 120 --json
+    """
+    with target.open() as s:
+        if seconds is not None:
+            s.set_barrier_timeout(table, seconds)
+        state = s.barrier(table)
+    if as_json:
+        echo_json(state)
+    else:
+        click.echo(format_pairs([(k, ", ".join(v) if isinstance(v, list) else v)
+                                 for k, v in state.items()]))
 
 
 @version.command("bump")

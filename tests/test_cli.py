@@ -406,6 +406,14 @@ def test_version_show_and_bump(seeded):
     fails(seeded.run("version", "bump", "solver", "--expected", "x"), 2, "'x' is not a valid")
 
 
+def test_version_barrier_shows_and_sets_the_groups_barrier(seeded):
+    state = as_json(seeded.run("version", "barrier", "solver", "--timeout", "90", "--json"))
+    assert state["members"] == ["solver"] and state["timeout"] == 90
+    assert state["arrived"] == [] and state["failed"] is None
+    assert "90" in ok(seeded.run("version", "barrier", "solver")).stdout
+    fails(seeded.run("version", "barrier", "solver", "--timeout", "0"), 1, "barrier timeout 0")
+
+
 # -- export / gc / migrate ------------------------------------------------------------------------
 def test_export_table_parquet_in_chunks(seeded, tmp_path):
     target = tmp_path / "solver.parquet"
