@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import pytest
@@ -162,7 +163,11 @@ def test_group_claims_and_version_bumps_across_nodes(deployed, ray_nodes):
                        for r in b.data.column("response").to_pylist())
             for b in batches:
                 b.ack()
-            assert sub.bump_version() == 1
+            # a version group's barrier: the critic's trainer arrives too (from another client)
+            with store.connect(deployed.uri) as c, ThreadPoolExecutor(max_workers=1) as pool:
+                critic = pool.submit(c.arrive, "critic", expected=0)
+                assert sub.bump_version() == 1
+                assert critic.result(timeout=60) == 1
         assert s.get_version("critic") == 1            # the group moved together
         with pytest.raises(store.ExpstoreError, match="stale"):
             s.put("critic", {"sample_id": ["late_0_0"], "reward": [1.0],
