@@ -112,6 +112,7 @@ class ExchangeSession:
             collections.deque()
         self._batches: dict[str, MicroBatch] = {}
         self._done = False
+        self._client_ended = threading.Event()  # the client finished its side of the stream
 
     def run(self) -> None:
         multi = len(self._sub.tables) > 1
@@ -185,6 +186,7 @@ class ExchangeSession:
             pass
         except Exception as e:  # noqa: BLE001 - a broken stream ends the session
             log.debug("exchange client stream ended: %s", e)
+        self._client_ended.set()
         self._inbox.put(None)
         self._store.wake()
 
@@ -272,6 +274,11 @@ class ExchangeSession:
             if self._stopping.is_set():
                 raise Unavailable("the server is shutting down while this bump waited at the "
                                   "barrier; arrive again once it is back")
+            if self._client_ended.is_set():
+                # Nobody is left to answer; the arrival stays, as a trainer's that arrived and
+                # then died does (soft state, until the round completes or times out).
+                raise Unavailable("the subscription was closed while its bump waited at the "
+                                  "barrier")
             answer = self._store.arrive_poll(tables, expected=self._sub.version,
                                              weights_uri=weights_uri, timeout=ARRIVE_STEP)
             if answer["complete"]:

@@ -269,6 +269,14 @@ class RemoteSubscription:
         self._outbox.put(None)  # after every message sent before: then close, done_writing
         self._sender.join(timeout=10)
         self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            # The server did not end the stream (a handler stuck in a long wait): cancel the
+            # call rather than wait for it in close().
+            try:
+                self._reader.cancel()
+            except (flight.FlightError, pa.ArrowException):
+                pass
+            self._thread.join(timeout=10)
         try:
             self._writer.close()
         except (flight.FlightError, pa.ArrowException):

@@ -315,3 +315,36 @@ def test_arrivals_are_arrived_again_after_a_server_restart(tmp_path):
         trainer.close()
     finally:
         server.stop()
+
+
+def test_closing_a_subscription_whose_bump_waits_at_the_barrier_does_not_hang(tmp_path):
+    """A trainer that gives up while its bump waits for a partner (the barrier timeout is long)
+    closes its subscription at once; the server's handler stops waiting for the barrier."""
+    with running_server(tmp_path / "x.duckdb") as server, store.connect(server.location) as s:
+        for name in AGENTS[:2]:
+            s.create_table(name, {"reward": "float64"}, version_group="pair")
+        s.set_barrier_timeout("solver", 600)
+        _put(s, "solver", ["s0_0_0", "s1_0_0"])
+        sub = s.subscribe("solver", micro_batch_size=2, global_batch_size=2)
+        mb = sub.next(timeout=30)
+        mb.ack()
+        bumping = queue.Queue()
+        threading.Thread(target=lambda: bumping.put(_outcome(sub.bump_version)),
+                         daemon=True).start()
+        deadline = time.monotonic() + 30
+        while s.barrier("solver")["arrived"] != ["solver"]:
+            assert time.monotonic() < deadline, "the bump never arrived at the barrier"
+            time.sleep(0.02)
+        closer = threading.Thread(target=sub.close, daemon=True)
+        closer.start()
+        closer.join(60)
+        assert not closer.is_alive(), "close() waited for the barrier"
+        assert isinstance(bumping.get(timeout=60), store.ExpstoreError)
+        assert s.get_version("solver") == 0  # nothing was bumped
+
+
+def _outcome(call: Any) -> Any:
+    try:
+        return call()
+    except BaseException as e:  # noqa: BLE001 - the test looks at what it was
+        return e
