@@ -10,10 +10,14 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import pyarrow as pa
+
 from store.claims import Claim, ClaimRequest
 from store.embedded import EmbeddedStore
 from store.errors import InvalidArgument
 from store.ipc import ipc_stream
+
+from .framing import CLAIM_ID_KEY, CONSUMER_KEY, EXPIRES_AT_KEY
 
 Handler = Callable[[EmbeddedStore, dict[str, Any]], Any]
 
@@ -74,12 +78,29 @@ def _flag(b: dict[str, Any], key: str, action: str) -> bool:
     return value
 
 
-def _claim(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+def _claim_one(s: EmbeddedStore, b: dict[str, Any]) -> Claim:
     check_fields(b, "claim", ("table", "limit"),
             ("where", "group_by", "group_size", "consumer", "lease_seconds", "min_rows"))
     consumer, lease = b.pop("consumer", None), b.pop("lease_seconds", None)
     request = ClaimRequest.from_json(b)
-    return claim_results(s.claim_many([request], consumer=consumer, lease_seconds=lease))
+    return s.claim_many([request], consumer=consumer, lease_seconds=lease)
+
+
+def _claim(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    return claim_results(_claim_one(s, b))
+
+
+def claim_stream_table(s: EmbeddedStore, b: dict[str, Any]) -> pa.Table:
+    """A claim asked for by a ``do_get`` ticket ``{"claim": {<claim body>}}``: the claimed rows
+    in the table's claim schema, the claim's id, consumer and lease expiry in the schema's
+    metadata (an empty claim: no rows, ``expstore.claim_id`` empty). Served as a record-batch
+    stream, its buffers go to the client as they are: no IPC message built into a gRPC one."""
+    claim = _claim_one(s, b)
+    table = claim.data
+    metadata = dict(table.schema.metadata or {})
+    metadata.update({CLAIM_ID_KEY: claim.claim_id.encode(), CONSUMER_KEY: claim.consumer.encode(),
+                     EXPIRES_AT_KEY: json.dumps(claim.expires_at).encode()})
+    return table.replace_schema_metadata(metadata)
 
 
 def _claim_many(s: EmbeddedStore, b: dict[str, Any]) -> Any:

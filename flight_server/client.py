@@ -23,6 +23,7 @@ from store.prepare import to_arrow_table
 from store.schema import TableDef
 
 from .errors import from_flight
+from .framing import CLAIM_ID_KEY, CONSUMER_KEY, EXPIRES_AT_KEY
 from .session_client import Answer, SessionChannel, json_answer
 
 if TYPE_CHECKING:
@@ -34,10 +35,16 @@ SESSION_PUT_ROWS = 64
 SESSION_PUT_BYTES = 256 * 1024
 # How a server that predates session puts refuses one (the client then uses do_put).
 NOT_ON_SESSION = "is not served on a session"
+# How a server that predates claim streams refuses a claim ticket (the client then claims on
+# the session).
+NO_CLAIM_TICKETS = "ticket must be a JSON object {\"sql\""
 # Seconds one ``arrive`` call waits on the server (a long poll, re-sent until the barrier ends),
 # and how long ``arrive`` goes on arriving again while the server cannot be reached.
 ARRIVE_POLL_SECONDS = 60.0
 RECONNECT_SECONDS = 120.0
+CLAIM_STREAMS = ("auto", "always", "never")
+# A claim whose answer should hold at least this many bytes comes as a do_get stream.
+STREAM_CLAIM_BYTES = 512 * 1024
 
 
 class RemoteStore:
@@ -51,11 +58,19 @@ class RemoteStore:
         sessions: send claims, acks, nacks and small puts on one long-lived ``do_exchange``
             session (a fraction of a ``do_action`` or ``do_put`` call's cost); False: one call
             each (what a server without sessions, from before they existed, needs).
+        claim_streams: how ``claim`` answers travel: ``"auto"`` (default) as a ``do_get``
+            record-batch stream when the table's rows in its last claim make the answer
+            likely to hold at least STREAM_CLAIM_BYTES, else on the session; ``"always"`` or
+            ``"never"`` as a stream. ``claim_many`` answers always come on the session.
     """
 
     def __init__(self, uri: str, *, token: str | None = None,
                  tls_root_certs: bytes | str | None = None, timeout: float | None = 60.0,
-                 connect_timeout: float = 10.0, sessions: bool = True) -> None:
+                 connect_timeout: float = 10.0, sessions: bool = True,
+                 claim_streams: str = "auto") -> None:
+        if claim_streams not in CLAIM_STREAMS:
+            raise InvalidArgument(f"claim_streams {claim_streams!r} is unknown; expected one of "
+                                  f"{list(CLAIM_STREAMS)}")
         self.uri = uri
         if uri.startswith("grpc+tcp://"):
             uri = "grpc://" + uri[len("grpc+tcp://"):]
@@ -73,6 +88,9 @@ class RemoteStore:
         self._session: SessionChannel | None = None
         self._session_lock = threading.Lock()
         self._use_sessions = sessions
+        self.claim_streams = claim_streams
+        self._row_bytes: dict[str, float] = {}  # per table: bytes a row, in its last claim
+        self._claim_streams: bool | None = None  # whether the server serves them (None: unknown)
         self._wait_ready(connect_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
@@ -229,7 +247,46 @@ class RemoteStore:
               consumer: str | None = None, lease_seconds: float | None = None,
               min_rows: int = 1) -> Claim:
         request = ClaimRequest(table, limit, where, group_by, group_size, min_rows)
-        return self.claim_many([request], consumer=consumer, lease_seconds=lease_seconds)
+        if self._streams_claims(table, limit):
+            claim = self._claim_streamed(request, consumer, lease_seconds)
+        else:
+            claim = self.claim_many([request], consumer=consumer, lease_seconds=lease_seconds)
+        if claim.data.num_rows:
+            # (the decoded answer's own buffers: their total is its size, and cheap to take)
+            self._row_bytes[table] = claim.data.get_total_buffer_size() / claim.data.num_rows
+        return claim
+
+    def _streams_claims(self, table: str, limit: int) -> bool:
+        """Whether a claim comes as a do_get stream (see docs/protocol.md): when its answer is
+        expected to be large, from the size of the table's rows in its last claim. A stream
+        sends the Arrow buffers as they are, where a session answer copies them into and out
+        of one gRPC message; but it is a call of its own, dearer than a message on the open
+        session when the answer is small (A/B in BENCHMARKS.md, issue 30)."""
+        if self.claim_streams == "never" or self._claim_streams is False:
+            return False
+        if self.claim_streams == "always":
+            return True
+        row_bytes = self._row_bytes.get(table)
+        return row_bytes is not None and row_bytes * limit >= STREAM_CLAIM_BYTES
+
+    def _claim_streamed(self, request: ClaimRequest, consumer: str | None,
+                        lease_seconds: float | None) -> Claim:
+        body = _request_json(request)
+        if consumer is not None:
+            body["consumer"] = consumer
+        if lease_seconds is not None:
+            body["lease_seconds"] = lease_seconds
+        ticket = flight.Ticket(json.dumps({"claim": body}).encode())
+        try:
+            with self._calls():
+                data = self._client.do_get(ticket, self._options()).read_all()
+        except InvalidArgument as e:
+            if self._claim_streams is not None or NO_CLAIM_TICKETS not in str(e):
+                raise
+            self._claim_streams = False  # a server from before claim streams: the session
+            return self.claim_many([request], consumer=consumer, lease_seconds=lease_seconds)
+        self._claim_streams = True
+        return _claim_from_stream(request.table, data)
 
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:
@@ -422,6 +479,19 @@ def _answered(call: Callable[[], Any]) -> Answer:
     except ExpstoreError as e:
         done.set_exception(e)
     return done
+
+
+def _claim_from_stream(table: str, data: pa.Table) -> Claim:
+    """A claim answered as a do_get stream: its rows, and the claim in the schema's metadata
+    (taken off, so that the rows' schema is the claim schema, as on the other paths)."""
+    metadata = dict(data.schema.metadata or {})
+    try:
+        claim_id = metadata.pop(CLAIM_ID_KEY).decode()
+        consumer = metadata.pop(CONSUMER_KEY).decode()
+        expires_at = float(json.loads(metadata.pop(EXPIRES_AT_KEY)))
+    except (KeyError, ValueError) as e:
+        raise ExpstoreError(f"malformed claim stream: its schema metadata lacks {e}") from None
+    return Claim(claim_id, consumer, expires_at, {table: data.replace_schema_metadata(metadata)})
 
 
 def _claim_from_results(results: list[bytes]) -> Claim:

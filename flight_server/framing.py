@@ -34,3 +34,10 @@ def split_parts(sizes: Any, rest: bytes) -> list[bytes]:
         parts.append(rest[at:at + n])
         at += n
     return parts
+
+
+# A claim answered as a do_get stream (``{"claim": {…}}`` ticket) carries the claim in the
+# stream schema's metadata under these keys: its id ("" for an empty claim), consumer, and lease
+# expiry (JSON number, seconds since the epoch).
+CLAIM_ID_KEY, CONSUMER_KEY, EXPIRES_AT_KEY = \
+    b"expstore.claim_id", b"expstore.consumer", b"expstore.expires_at"

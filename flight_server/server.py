@@ -30,7 +30,7 @@ import pyarrow.flight as flight
 from store.embedded import EmbeddedStore
 from store.errors import InvalidArgument, NotFound, Unavailable
 
-from .actions import ACTIONS, action_results, parse_body
+from .actions import ACTIONS, action_results, claim_stream_table, parse_body
 from .auth import AuthMiddlewareFactory, Principal, load_tokens, principal_of
 from .errors import flight_errors, to_flight
 from .exchange import ExchangeSession, parse_subscribe
@@ -233,20 +233,16 @@ class ExpstoreFlightServer(flight.FlightServerBase):
             self._principal(context, "reader", "flight sql")
             with flight_errors():
                 return self.flight_sql.do_get(context, ticket)
-        self._principal(context, "reader", "do_get")
+        principal = self._principal(context, "reader", "do_get")
+        with flight_errors():
+            doc = _ticket_document(ticket.ticket)
+        if isinstance(doc, dict) and "claim" in doc:
+            return self._claim_stream(principal, doc)
         with flight_errors(), self.metrics.timed("do_get"):
-            raw = ticket.ticket
-            if len(raw) > MAX_TICKET_BYTES:
-                raise InvalidArgument(f"ticket of {len(raw)} bytes is larger than "
-                                      f"{MAX_TICKET_BYTES}")
-            try:
-                doc = json.loads(raw)
-            except (ValueError, UnicodeDecodeError, RecursionError) as e:
-                raise InvalidArgument(f"ticket is not valid JSON: {e}; expected "
-                                      "{\"sql\": \"SELECT …\"}") from e
             if not isinstance(doc, dict) or not isinstance(doc.get("sql"), str):
                 raise InvalidArgument("ticket must be a JSON object {\"sql\": \"SELECT …\", "
-                                      "\"params\"?: [...], \"timeout\"?: seconds}")
+                                      "\"params\"?: [...], \"timeout\"?: seconds} or "
+                                      "{\"claim\": {<claim body>}}")
             extra = set(doc) - {"sql", "params", "timeout"}
             if extra:
                 raise InvalidArgument(f"ticket has unknown fields {sorted(extra)}")
@@ -258,6 +254,19 @@ class ExpstoreFlightServer(flight.FlightServerBase):
                                       f"in (0, {self.store.query_timeout}]")
             result = self.store.query(doc["sql"], doc.get("params"), timeout=timeout)
             return flight.RecordBatchStream(result)
+
+    def _claim_stream(self, principal: Principal, doc: dict[str, Any]) -> flight.FlightDataStream:
+        """A ticket ``{"claim": {<claim body>}}``: the claim action, answered as a stream."""
+        with flight_errors(), self.metrics.timed("claim"):
+            principal.require("writer", "do_get claim")
+            if set(doc) != {"claim"}:
+                raise InvalidArgument(f"a claim ticket is {{\"claim\": {{…}}}} alone; it has "
+                                      f"unknown fields {sorted(set(doc) - {'claim'})}")
+            body = doc["claim"]
+            if not isinstance(body, dict):
+                raise InvalidArgument(f"a claim ticket's claim must be a JSON object (the claim "
+                                      f"action's body), got {type(body).__name__}")
+            return flight.RecordBatchStream(claim_stream_table(self.store, body))
 
     # -- subscriptions --------------------------------------------------------------------------
     def do_exchange(self, context: flight.ServerCallContext,
@@ -363,6 +372,17 @@ class ExpstoreFlightServer(flight.FlightServerBase):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _ticket_document(raw: bytes) -> Any:
+    """A do_get ticket's JSON document."""
+    if len(raw) > MAX_TICKET_BYTES:
+        raise InvalidArgument(f"ticket of {len(raw)} bytes is larger than {MAX_TICKET_BYTES}")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise InvalidArgument(f"ticket is not valid JSON: {e}; expected "
+                              "{\"sql\": \"SELECT …\"} or {\"claim\": {…}}") from e
 
 
 # Batches of at least this many bytes are prepared on _PREPARE_POOL, while the next batch is

@@ -124,6 +124,22 @@ def test_a_claim_answer_names_the_data_nodes_that_hold_its_values(cluster):
     action_json(c, "ack", {"claim_id": header["claim_id"]})
 
 
+def test_a_coordinator_refuses_claim_tickets_and_its_client_claims_on_the_action(cluster):
+    """A do_get claim stream has no place for the data nodes a claim's answer must name."""
+    with client(cluster, 0, claim_streams="always") as p0:
+        make_table(p0)
+        p0.put("t", rows("a", 2))
+        c = flight.FlightClient(cluster.uri)
+        with pytest.raises(flight.FlightError) as raised:
+            c.do_get(flight.Ticket(json.dumps({"claim": {"table": "t", "limit": 2}}).encode()))\
+                .read_all()
+        assert error_code(raised.value) == "invalid_argument"
+        assert "coordinator" in str(raised.value)
+        claim = p0.claim("t", 2)
+        assert sorted(claim.data.column("tokens").to_pylist()) == [[0, 1, 2], [1, 2, 3]]
+        assert p0.ack(claim.claim_id)["acked"] == 2
+
+
 def test_a_local_node_serves_its_machines_trainer_and_fetches_run_in_parallel(cluster):
     producers = [client(cluster, m) for m in range(3)]
     make_table(producers[0])

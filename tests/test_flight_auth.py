@@ -36,7 +36,7 @@ NEEDS = {
     "claim": "writer", "claim_many": "writer", "ack": "writer", "nack": "writer",
     "create_table": "admin", "drop_table": "admin", "bump_version": "admin", "gc": "admin",
     "checkpoint": "admin", "arrive": "admin", "set_barrier_timeout": "admin",
-    "barrier": "reader",
+    "barrier": "reader", "do_get claim": "writer",
 }
 _names = itertools.count()
 
@@ -86,6 +86,8 @@ OPERATIONS: dict[str, Callable[[Ctx], Any]] = {
         flight.FlightDescriptor.for_path(TABLE), c.opts),
     "get_schema": lambda c: c.client.get_schema(flight.FlightDescriptor.for_path(TABLE), c.opts),
     "do_get": lambda c: query(c.client, f"SELECT count(*) FROM {TABLE}", options=c.opts),
+    "do_get claim": lambda c: c.client.do_get(flight.Ticket(json.dumps(
+        {"claim": {"table": TABLE, "limit": 1}}).encode()), c.opts).read_all(),
     "do_put": lambda c: put_batches(c.client, TABLE, [pa.record_batch(
         {"sample_id": [f"put{next(_names)}_0_0"], "reward": [1.0]})], c.opts),
     "do_exchange": _exchange,
@@ -115,7 +117,8 @@ OPERATIONS: dict[str, Callable[[Ctx], Any]] = {
 
 
 def test_matrix_covers_every_verb_and_action():
-    verbs = {"list_flights", "get_flight_info", "get_schema", "do_get", "do_put", "do_exchange"}
+    verbs = {"list_flights", "get_flight_info", "get_schema", "do_get", "do_put", "do_exchange",
+             "do_get claim"}
     assert set(OPERATIONS) == verbs | set(ACTIONS) == set(NEEDS)
     # The server's own table agrees with the design's roles.
     assert {name: spec.role for name, spec in ACTIONS.items()} == {

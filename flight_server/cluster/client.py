@@ -205,6 +205,9 @@ class ClusterStore(RemoteStore):
         return answer["chunks"]
 
     # -- claims ------------------------------------------------------------------------------------
+    def _streams_claims(self, table: str, limit: int) -> bool:
+        return False  # a coordinator answers claims on the action (with its data nodes)
+
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:
         body: dict[str, Any] = {"requests": [_request_json(r) for r in requests]}

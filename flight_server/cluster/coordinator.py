@@ -165,6 +165,13 @@ class CoordinatorServer(ExpstoreFlightServer):
             parts = [json.dumps(answer).encode()]
         yield from parts
 
+    def _claim_stream(self, principal: Any, doc: dict[str, Any]) -> flight.FlightDataStream:
+        # A claim's answer must name the data nodes that hold its by-reference values; a stream
+        # of rows has no place for them.
+        raise to_flight(InvalidArgument("a coordinator answers claims on the claim action, "
+                                        "not as a do_get stream (its answer names the data "
+                                        "nodes holding the values)"))
+
     def _create_table(self, action: flight.Action) -> flight.Action:
         """Columns declared ``storage: "ref"`` go to the data nodes: the coordinator's table
         gets a string column of location keys in their place; the registry keeps the type."""
