@@ -3,9 +3,11 @@
 One Ray cluster of max(N) logical nodes on this machine, bound to 127.0.0.1; for each N a fresh
 expstore cluster (``cluster_up``: a coordinator and a data node on each of N Ray nodes). Then N
 producers, one Ray task pinned to each node, put wide rows (the by-reference columns go to their
-node's data node, keys to the coordinator) from a common start instant; then N trainers, one per
-node, claim micro-batches of 16 (values fetched from the data nodes) and ack them until the table
-is drained. Aggregates are rows over the wall time from the common start to the last task's end.
+node's data node, keys to the coordinator) from a common start (a barrier actor: Ray may start
+a task's worker late); then N trainers, one per node, claim micro-batches of 16 (values fetched
+from the data nodes) and ack them pipelined (``ack_async``, as the library's trainers do) until
+the table is drained. Aggregates are rows over the wall time from the common start to the last
+task's end.
 The coordinator's CPU (its process, every thread) per sample is measured around each phase.
 
 Ratios are against N = 1 in the same run; the target is ≥ 0.7 × N. TransferQueue
@@ -26,6 +28,7 @@ import time
 from typing import Any
 
 from bench.context import Ctx, Skip
+from bench.util import percentiles_ms
 from bench.workloads import WIDE_COLUMNS, wide_table
 
 NAME = "cluster"
@@ -33,8 +36,6 @@ TITLE = "Scale-out on Ray: N data nodes (aggregate ingest, micro-batch reads)"
 
 MICRO_BATCH = 16
 PUT_ROWS = 256
-#: seconds between submitting the tasks and their common start (Ray starts a worker per task)
-START_DELAY = 10.0
 REF_COLUMNS = ("prompt", "response", "token_ids", "logprobs")
 
 
@@ -54,37 +55,75 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def produce(uri: str, start: int, rows: int, start_at: float) -> dict[str, Any]:
+class Barrier:
+    """A Ray actor the tasks of a phase meet at: the last to arrive sets the common start, so a
+    worker that Ray started late does not stretch the phase's wall time."""
+
+    def __init__(self, parties: int) -> None:
+        self.parties = parties
+        self.arrived = 0
+        self.start_at: float | None = None
+
+    def arrive(self) -> None:
+        self.arrived += 1
+        if self.arrived == self.parties:
+            self.start_at = time.time() + 0.5
+
+    def start(self) -> float | None:
+        return self.start_at
+
+
+def _meet(barrier: Any) -> None:
+    import ray
+    ray.get(barrier.arrive.remote())
+    while (start_at := ray.get(barrier.start.remote())) is None:
+        time.sleep(0.05)
+    time.sleep(max(0.0, start_at - time.time()))
+
+
+def produce(uri: str, start: int, rows: int, barrier: Any) -> dict[str, Any]:
     import store
     data = wide_table(rows, start=start)
     batches = [data.slice(i, PUT_ROWS) for i in range(0, rows, PUT_ROWS)]
     with store.connect(uri) as s:
         s.describe("wide")
         s.cluster()
-        time.sleep(max(0.0, start_at - time.time()))
+        _meet(barrier)
         t0 = time.time()
         for b in batches:
             s.put("wide", b)
         return {"t0": t0, "t1": time.time(), "rows": rows, "bytes": data.nbytes}
 
 
-def train(uri: str, start_at: float) -> dict[str, Any]:
+def train(uri: str, barrier: Any) -> dict[str, Any]:
     import store
     with store.connect(uri) as s:
         s.describe("wide")
         s.cluster()
-        time.sleep(max(0.0, start_at - time.time()))
+        _meet(barrier)
         t0 = time.time()
         rows = nbytes = 0
+        acks = []
+        took = []
         while True:
+            c0 = time.perf_counter()
             c = s.claim("wide", MICRO_BATCH)
             if not c.claim_id:
                 break
+            took.append(time.perf_counter() - c0)
             rows += c.tables["wide"].num_rows
             nbytes += c.tables["wide"].nbytes
-            s.ack(c.claim_id)
-        return {"t0": t0, "t1": time.time(), "rows": rows, "bytes": nbytes,
+            acks.append(s.ack_async(c.claim_id))   # pipelined, as the library's trainers ack
+        for a in acks:
+            a.result()
+        return {"t0": t0, "t1": time.time(), "rows": rows, "bytes": nbytes, "took": took,
                 "local": s.fetch_stats["local_fetches"], "fetches": s.fetch_stats["fetches"]}
+
+
+def _wait_all_arrived(ray: Any, barrier: Any) -> None:
+    """Until every task of the phase is connected and waiting (so CPU is counted from there)."""
+    while ray.get(barrier.start.remote()) is None:
+        time.sleep(0.05)
 
 
 def run(ctx: Ctx) -> None:
@@ -113,6 +152,7 @@ def run(ctx: Ctx) -> None:
         ids = [n["NodeID"] for n in alive]
         remote_produce = ray.remote(produce)
         remote_train = ray.remote(train)
+        remote_barrier = ray.remote(num_cpus=0)(Barrier)
         base: dict[str, float] = {}
         for n in counts:
             handle = cluster_up(None, db=os.path.join(tmp, f"coord-{n}.duckdb"),
@@ -126,15 +166,20 @@ def run(ctx: Ctx) -> None:
                 def on(i: int) -> Any:
                     return NodeAffinitySchedulingStrategy(ids[i], soft=False)
 
+                barrier = remote_barrier.remote(n)
+                puts = [remote_produce.options(num_cpus=0, scheduling_strategy=on(i))
+                        .remote(handle.uri, i * rows_per_node, rows_per_node, barrier)
+                        for i in range(n)]
+                _wait_all_arrived(ray, barrier)
                 cpu0 = ray.get(handle.coordinator.cpu_seconds.remote())
-                start_at = time.time() + START_DELAY
-                puts = ray.get([remote_produce.options(num_cpus=0, scheduling_strategy=on(i))
-                                .remote(handle.uri, i * rows_per_node, rows_per_node, start_at)
-                                for i in range(n)])
+                puts = ray.get(puts)
                 cpu1 = ray.get(handle.coordinator.cpu_seconds.remote())
-                start_at = time.time() + START_DELAY
-                reads = ray.get([remote_train.options(num_cpus=0, scheduling_strategy=on(i))
-                                 .remote(handle.uri, start_at) for i in range(n)])
+                barrier = remote_barrier.remote(n)
+                reads = [remote_train.options(num_cpus=0, scheduling_strategy=on(i))
+                         .remote(handle.uri, barrier) for i in range(n)]
+                _wait_all_arrived(ray, barrier)
+                cpu1 = ray.get(handle.coordinator.cpu_seconds.remote())
+                reads = ray.get(reads)
                 cpu2 = ray.get(handle.coordinator.cpu_seconds.remote())
             finally:
                 handle.stop()
@@ -146,14 +191,18 @@ def run(ctx: Ctx) -> None:
             ctx.record(f"ingest_mb_s_n{n}", ingest_mb_s, "MB/s",
                        f"wide ingest, {n} node(s), aggregate")
             ctx.record(f"read_rows_s_n{n}", read_rows_s, "rows/s",
-                       f"micro-batch reads (claim 16 + ack), {n} node(s), aggregate")
+                       f"micro-batch reads (claim 16, pipelined ack), {n} node(s), aggregate")
             ctx.record(f"coord_cpu_us_put_n{n}", (cpu1 - cpu0) / total * 1e6, "us",
                        f"coordinator CPU per sample put, {n} node(s)")
             ctx.record(f"coord_cpu_us_read_n{n}", (cpu2 - cpu1) / max(1, sum(
                 r["rows"] for r in reads)) * 1e6, "us",
                        f"coordinator CPU per sample read, {n} node(s)")
+            claim_p50, _ = percentiles_ms([t for r in reads for t in r["took"]])
+            ctx.record(f"claim16_p50_ms_n{n}", claim_p50, "ms",
+                       f"one claim of 16 with its values fetched, p50, {n} node(s)")
             if n == counts[0]:
-                base = {"ingest": ingest_mb_s / n, "read": read_rows_s / n}
+                base = {"ingest": ingest_mb_s / n, "read": read_rows_s / n,
+                        "claim_p50_ms": claim_p50}
             else:
                 ctx.record(f"ingest_ratio_n{n}", ingest_mb_s / base["ingest"], "x",
                            f"ingest vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
@@ -178,7 +227,6 @@ def transferqueue_baseline(ctx: Ctx, rows: int, one_node: dict[str, float]) -> N
         return
     from bench.transferqueue import _tensordict, micro_batches, micro_rows
     from bench.transferqueue import transfer_queue as tq_on_ray
-    from bench.util import percentiles_ms
     nbytes = wide_table(rows).nbytes
     data = _tensordict(micro_rows("wide", rows), rows)
     with tq_on_ray(SequentialSampler()) as client:
@@ -197,4 +245,6 @@ def transferqueue_baseline(ctx: Ctx, rows: int, one_node: dict[str, float]) -> N
         ctx.record("ingest_vs_tq", one_node["ingest"] / tq_ingest, "x",
                    "one expstore node's wide ingest vs TransferQueue's")
         ctx.record("read_vs_tq", one_node["read"] / tq_reads, "x",
-                   "one expstore node's micro-batch reads vs TransferQueue's")
+                   "one expstore node's micro-batch reads vs TransferQueue's p50 rate")
+        ctx.record("mb16_p50_tq_over_expstore", p50 / one_node["claim_p50_ms"], "x",
+                   "micro-batch of 16 p50: TransferQueue / expstore (one node)")

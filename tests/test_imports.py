@@ -20,6 +20,8 @@ def test_importing_the_service_and_clients_loads_no_heavy_framework():
         import sys
         import store, store.embedded, flight_server, flight_server.server, flight_server.client
         import producers, consumers, expstore, expstore.cli
+        import flight_server.cluster.coordinator, flight_server.cluster.datanode
+        import flight_server.cluster.client, flight_server.cluster.ray_cluster
         print(",".join(m for m in {HEAVY!r} if m in sys.modules))
     """)
     assert loaded == "", f"imported at module level: {loaded}"
