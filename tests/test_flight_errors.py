@@ -231,18 +231,22 @@ def test_get_schema_error_is_untyped_in_pyarrow(served):
 
 
 def test_storage_error_is_internal(tmp_path):
-    """A blob segment lost under the server: reads fail with FlightInternalError, storage_error."""
+    """A blob segment lost under the server: reads fail with FlightInternalError, storage_error.
+    (The server is restarted before the loss: a running one still holds its newest values in
+    memory and would serve them.)"""
     with running_server(tmp_path / "x.duckdb") as server:
         with flight.FlightClient(f"grpc://127.0.0.1:{server.port}") as client:
             action(client, "create_table", {"name": TABLE, "columns": {"response": "string"},
                                             "storage": {"response": "ref"}})
             put_batches(client, TABLE, [pa.record_batch({"sample_id": ["q_0_0"],
                                                          "response": ["x" * 100]})])
-            blobs = tmp_path / "x.duckdb.blobs"
-            segments = [p for p in blobs.rglob("*") if p.is_file()]
-            assert segments, "the by-reference value went to no blob segment"
-            for p in segments:
-                os.truncate(p, 0)
+    blobs = tmp_path / "x.duckdb.blobs"
+    segments = [p for p in blobs.rglob("*") if p.is_file()]
+    assert segments, "the by-reference value went to no blob segment"
+    for p in segments:
+        os.truncate(p, 0)
+    with running_server(tmp_path / "x.duckdb") as server:
+        with flight.FlightClient(f"grpc://127.0.0.1:{server.port}") as client:
             with pytest.raises(flight.FlightInternalError) as raised:
                 query(client, f"SELECT * FROM {TABLE}")
             assert error_code(raised.value) == "storage_error"
