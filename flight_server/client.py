@@ -290,11 +290,7 @@ class RemoteStore:
 
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:
-        body: dict[str, Any] = {"requests": [_request_json(r) for r in requests]}
-        if consumer is not None:
-            body["consumer"] = consumer
-        if lease_seconds is not None:
-            body["lease_seconds"] = lease_seconds
+        body = claim_many_body(requests, consumer, lease_seconds)
         claim = _claim_from_results(self._fast("claim_many", body).result(self._timeout))
         return claim if claim.claim_id else self._empty_claim(claim, requests)
 
@@ -469,6 +465,17 @@ def _request_json(r: ClaimRequest) -> dict[str, Any]:
         if getattr(r, key) is not None:
             d[key] = getattr(r, key)
     return d
+
+
+def claim_many_body(requests: list[ClaimRequest], consumer: str | None,
+                    lease_seconds: float | None) -> dict[str, Any]:
+    """The ``claim_many`` action's body (docs/protocol.md)."""
+    body: dict[str, Any] = {"requests": [_request_json(r) for r in requests]}
+    if consumer is not None:
+        body["consumer"] = consumer
+    if lease_seconds is not None:
+        body["lease_seconds"] = lease_seconds
+    return body
 
 
 def _answered(call: Callable[[], Any]) -> Answer:

@@ -37,7 +37,7 @@ from store.errors import ExpstoreError, InvalidArgument, Unavailable
 from store.types import one_array, parse_type
 from store.subscription import rows_of_all
 
-from ..client import RemoteStore, _claim_from_results, _request_json
+from ..client import RemoteStore, _claim_from_results, claim_many_body
 from ..errors import from_flight
 from ..subscriber import RemoteSubscription
 from .locations import parse_key, row_keys
@@ -210,11 +210,7 @@ class ClusterStore(RemoteStore):
 
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:
-        body: dict[str, Any] = {"requests": [_request_json(r) for r in requests]}
-        if consumer is not None:
-            body["consumer"] = consumer
-        if lease_seconds is not None:
-            body["lease_seconds"] = lease_seconds
+        body = claim_many_body(requests, consumer, lease_seconds)
         for _ in range(LOST_RETRIES):
             # on the session where there is one (the endpoints come from the directory)
             claim = _claim_from_results(self._fast("claim_many", body).result(self._timeout))
