@@ -195,7 +195,9 @@ def test_a_killed_data_node_without_replicas_dead_letters_its_rows(deployed, ray
                                                  [f"lost{i}_0_0" for i in range(4)]))
     ray.get(produce.options(**on(survivor)).remote(deployed.uri, "single",
                                                    [f"kept{i}_0_0" for i in range(4)]))
-    ray.kill(deployed.datanodes.pop(victim), no_restart=True)
+    killed = deployed.datanodes.pop(victim)
+    ray.kill(killed, no_restart=True)
+    _wait_dead(killed)  # ray.kill returns before the process is gone
     started = time.monotonic()
     got = ray.get(train.options(**on(survivor)).remote(deployed.uri, "single", 8), timeout=60)
     assert sorted(got["ids"]) == [f"kept{i}_0_0" for i in range(4)] and got["whole"]
@@ -252,3 +254,14 @@ def test_cluster_up_and_down_from_the_cli(deployed, tmp_path):
     down = runner.invoke(cli, ["cluster", "down", "--json"])
     assert down.exit_code == 0, down.output
     assert "expstore-coordinator" in down.output
+
+
+def _wait_dead(actor: Any) -> None:
+    """Until calls to a killed actor fail (its process, and so its Flight server, is gone)."""
+    def dead() -> bool:
+        try:
+            ray.get(actor.pid.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return True
+        return False
+    wait_until(dead, timeout=30, message="the killed data node to be gone")
