@@ -35,6 +35,8 @@ for p in (str(ROOT), str(ROOT / "tests")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from store.blobs import RECENT_BYTES  # noqa: E402
+
 TABLE = "soak"
 PUT_ROWS = 16
 CLAIM_ROWS = 64
@@ -44,6 +46,9 @@ STALL_SECONDS = 60.0
 #: The server's --max-live-rows: producers that outrun the consumers by this many rows are
 #: refused (table_full) and wait 50 ms before putting again, which bounds the server's index.
 MAX_LIVE_ROWS = 200_000
+# The server's memory bound: 2 GB, plus the window of newest blob chunks the blob store keeps
+# readable from memory (store.blobs.RECENT_BYTES), a bounded part of the read path.
+RSS_LIMIT_MB = 2048 + RECENT_BYTES / 2**20
 
 
 # -- workers (run in their own processes) --------------------------------------------------------
@@ -161,7 +166,7 @@ def _spawn(args: list[str], out: Path) -> subprocess.Popen:
 
 def run_soak(workdir: str | Path, *, seconds: float = 300, producers: int = 64,
              consumers: int = 8, memory_limit: str = "1GB", cache_limit: str = "256MB",
-             max_live_rows: int | None = MAX_LIVE_ROWS, rss_limit_mb: float = 2048,
+             max_live_rows: int | None = MAX_LIVE_ROWS, rss_limit_mb: float = RSS_LIMIT_MB,
              drain_seconds: float = 900, log=lambda m: None) -> dict[str, Any]:
     """Run the soak (see the module docstring); return the summary, raise AssertionError on a
     violation."""
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-limit", default="256MB")
     ap.add_argument("--max-live-rows", type=int, default=MAX_LIVE_ROWS,
                     help="the server's --max-live-rows (0: none)")
-    ap.add_argument("--rss-limit-mb", type=float, default=2048)
+    ap.add_argument("--rss-limit-mb", type=float, default=RSS_LIMIT_MB)
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     # Internal: the worker processes.
     ap.add_argument("--worker", choices=["producer", "consumer"], help=argparse.SUPPRESS)

@@ -278,6 +278,7 @@ TestUncachedStoreMachine.settings = settings(max_examples=25, stateful_step_coun
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 300 examples of 80 steps: longer than the default limit
 def test_store_machine_long():
     from hypothesis.stateful import run_state_machine_as_test
     run_state_machine_as_test(StoreMachine, settings=settings(
