@@ -406,19 +406,7 @@ class BlobStore:
                 self._cache.move_to_end(ck)
                 return hit
         path = self._path(segment)
-        try:
-            if self._local:
-                with open(path, "rb") as f:
-                    data = os.pread(f.fileno(), length, offset)
-            else:
-                assert self._fs is not None
-                with self._fs.open_input_file(path) as f:
-                    data = f.read_at(length, offset)
-        except (OSError, pa.ArrowException) as e:
-            raise StorageError(f"blob segment {path!r} cannot be read: {e}") from e
-        if len(data) != length:
-            raise StorageError(f"blob chunk {segment}:{offset}:{length} is truncated in {path!r} "
-                               f"({len(data)} of {length} bytes)")
+        data = self._preader(segment)(offset, length)  # read and size-checked as row reads are
         body = chunk_body(data)
         if body is None:
             raise StorageError(f"blob chunk {segment}:{offset}:{length} in {path!r} is corrupt: "
