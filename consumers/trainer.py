@@ -9,7 +9,7 @@ gradient, takes the optimizer step, publishes the weights and calls
 ``sub.bump_version(weights_uri=uri)``, so producers load the new policy and the subscription
 starts the next global batch. The model is updated once per global batch, never in between:
 training on micro-batches as they arrive is mathematically one full-batch step
-(``tests/test_consistency.py`` checks it through the Flight server).
+(``tests/system/test_consistency.py`` checks it through the Flight server).
 
 The same loop with a DeepSpeed engine is :class:`consumers.deepspeed_loop.DeepSpeedTrainLoop`.
 

@@ -19,7 +19,7 @@ Usage::
 
     python scripts/crash_loop.py --crashes 100 --dir /tmp/crash   # prints a JSON report
 
-``tests/test_reliability_crash.py`` runs :func:`run_crash_loop` with 3–5 crashes by default and
+``tests/reliability/test_reliability_crash.py`` runs :func:`run_crash_loop` with 3–5 crashes by default and
 with 100 under ``-m slow``.
 """
 from __future__ import annotations

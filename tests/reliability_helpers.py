@@ -1,4 +1,4 @@
-"""Shared machinery of the reliability suite (tests/test_reliability_*.py, scripts/soak.py,
+"""Shared machinery of the reliability suite (tests/reliability/, scripts/soak.py,
 scripts/crash_loop.py): a real server in a subprocess, SIGKILL, RSS, checksums.
 
 The server runs in its own process so that a test can ``kill -9`` it. It is started with

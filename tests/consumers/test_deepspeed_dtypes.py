@@ -1,4 +1,4 @@
-"""The DeepSpeed loop's dtype check, without DeepSpeed (tests/test_deepspeed_loop.py runs it
+"""The DeepSpeed loop's dtype check, without DeepSpeed (tests/consumers/test_deepspeed_loop.py runs it
 through a real engine where DeepSpeed imports)."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The cluster's data plane without Ray: a real coordinator and real data nodes, each a Flight
 server on a free loopback port in this process, over real DuckDB and blob files.
 
-The same servers on a Ray cluster of several nodes are tested in tests/test_cluster_ray.py.
+The same servers on a Ray cluster of several nodes are tested in tests/flight_server/cluster/test_cluster_ray.py.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from store import blob_rows
 from store.blobs import ALIGN, BlobStore, serialize_chunk_buffer
 from store.errors import StorageError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _values(n: int, width: int, tag: str) -> pa.Array:

@@ -17,7 +17,7 @@ from store import blob_rows, tensors
 from store.blobs import BlobStore, serialize_chunk_buffer
 from store.errors import StorageError
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "blobs-exb2")
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "blobs-exb2")
 
 
 def _columns(n: int, seed: int = 1) -> dict[str, pa.Array]:

@@ -179,7 +179,7 @@ def test_a_producer_gone_mid_stream_leaves_whole_batches_in_order(tmp_path):
         s = store.connect(uri)
         try:
             s.create_table("t", COLUMNS)
-            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             subprocess.run([sys.executable, "-c", CHILD, uri, "12", str(ROWS), str(WIDTH)],
                            check=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
             counts = _settled(lambda: {r["b"]: r["n"] for r in s.query(

@@ -99,7 +99,7 @@ def test_the_console_script_ends_with_the_summary(tmp_path) -> None:
     from pathlib import Path
 
     db = str(tmp_path / "console.duckdb")
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)}
     done = subprocess.run(

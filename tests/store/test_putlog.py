@@ -25,7 +25,7 @@ from store.putlog import PutLog, Record, log_path, read_records
 from store import writer
 from store.settings import StoreSettings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COLUMNS = {"prompt": "string", "response": "string", "reward": "float64"}
 
 

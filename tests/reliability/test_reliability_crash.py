@@ -18,7 +18,7 @@ from store.errors import LeaseExpired, NotFound
 
 import reliability_helpers as rh
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "crash_loop.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "crash_loop.py"
 
 
 def _crash_loop():

@@ -31,7 +31,7 @@ from test_flight_session import RawSession
 from test_session_puts import ipc, send_put
 from waiting import wait_until
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 60.0
 

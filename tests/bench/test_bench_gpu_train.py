@@ -1,7 +1,7 @@
 """bench/gpu_train.py on the CPU, with a model a thousand times smaller: the benchmark's own code
 (both feeds, the timing of waits, acks and bumps, the figures) keeps working where CI has no GPU.
 
-Slow (about a minute on 2 cores): ``pytest -m slow tests/test_bench_gpu_train.py``. The real run
+Slow (about a minute on 2 cores): ``pytest -m slow tests/bench/test_bench_gpu_train.py``. The real run
 needs a CUDA device (``python -m bench --only gpu_train``).
 """
 from __future__ import annotations

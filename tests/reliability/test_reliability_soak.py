@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 
 
 def _soak():
