@@ -194,7 +194,7 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
     if getattr(server, "metrics_port", None) is not None:
         log.info("Prometheus metrics on http://%s:%s/metrics%s", server.metrics_host,
                  server.metrics_port, " (bearer token required)" if tokens_file else "")
-    stopper = _Stopper(server)
+    stopper = _Stopper(server, shutdown_grace)
     # Signal handlers can only be installed on the main thread; elsewhere the caller stops us.
     on_main = threading.current_thread() is threading.main_thread()
     if on_main:  # this process is the server's own: its collector settings are ours to set
@@ -256,8 +256,9 @@ def _stop_now(server: Any, stopper: "_Stopper", grace: float) -> NoReturn:
 class _Stopper:
     """Signal handler that shuts the server down once, from a helper thread."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: Any, grace: float) -> None:
         self.server = server
+        self.grace = grace
         self.signum: int | None = None
         self.since: float | None = None  # monotonic time of the first signal
         self.repeated = False  # a second signal came: stop without waiting any longer
@@ -277,6 +278,11 @@ class _Stopper:
             self._thread.start()
 
     def _shutdown(self) -> None:
+        # Logged here, not in the handler: the line tells an operator (and a test) that the
+        # signal was taken and how long open calls may hold the server.
+        log.info("stopping on %s: waiting up to %g s for open calls (a second signal stops at "
+                 "once)", signal.Signals(self.signum).name if self.signum else "a signal",
+                 self.grace)
         try:
             self.server.shutdown()
         finally:

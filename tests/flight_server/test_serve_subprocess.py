@@ -277,7 +277,8 @@ def test_a_second_signal_stops_without_waiting_for_the_grace(start_server, tmp_p
     _wait_for_rows(uri, 1)
     started = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    wait_until(lambda: "stopping on SIGTERM" in server.stderr_path.read_text(),
+               message="the server taking the first signal")
     assert server.stop(signal.SIGINT) == 0
     assert time.monotonic() - started < 8  # the default grace is 10 s
     assert "after a second signal" in server.stderr_path.read_text()
