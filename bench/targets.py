@@ -102,6 +102,19 @@ TARGETS = [
                         ("mb16_wide_group", "wide, groups of 8"))],
     T("micro-batch pipeline overhead vs ideal queue", "pipeline_sim.expstore_overhead_pct",
       None, 5.0, False),
+    # Scale-out (bench/cluster.py): N data nodes against one node's aggregate, the same run.
+    *[T(f"cluster {what}, {n} data nodes vs one node's", f"cluster.{key}_ratio_n{n}", None,
+        0.7 * n, True)
+      for n in (2, 4, 8) for key, what in (("ingest", "wide ingest"),
+                                           ("read", "micro-batch reads"))],
+    # "flat in N": the coordinator's CPU per sample with the most nodes run over one node's
+    *[T(f"cluster coordinator CPU per sample {what}, {n} data nodes vs one node's",
+        f"cluster.coord_cpu_us_{key}_n{n}", f"cluster.coord_cpu_us_{key}_n1", 1.25, False)
+      for n in (4, 8) for key, what in (("put", "put"), ("read", "read"))],
+    T("cluster wide ingest, one node, vs TransferQueue on the same Ray cluster",
+      "cluster.ingest_vs_tq", None, 1.0, True),
+    T("cluster micro-batch reads, one node, vs TransferQueue on the same Ray cluster",
+      "cluster.read_vs_tq", None, 1.0, True),
 ]
 
 
