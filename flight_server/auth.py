@@ -40,6 +40,13 @@ def load_tokens(path: str) -> dict[str, Principal]:
             doc = json.load(f)
     except (OSError, ValueError) as e:
         raise InvalidArgument(f"tokens file {path!r} cannot be read as JSON: {e}") from e
+    return parse_tokens(doc, path)
+
+
+def parse_tokens(doc: object, source: str) -> dict[str, Principal]:
+    """The tokens of a tokens file's parsed JSON (``source`` names it in errors): a cluster
+    ships the file's text to its data nodes, which parse it here."""
+    path = source
     entries = doc.get("tokens") if isinstance(doc, dict) else None
     if not isinstance(entries, list) or not entries:
         raise InvalidArgument(f"tokens file {path!r} must hold {{\"tokens\": [{{\"token\": …, "

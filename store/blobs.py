@@ -425,6 +425,20 @@ class BlobStore:
                 self._cache.popitem(last=False)
         return values
 
+    def chunk(self, prefix: str) -> pa.Array:
+        """A whole chunk's values, by the key prefix :meth:`append` returned
+        (``segment:offset:length``): what a cluster's data node copies to another node."""
+        segment, offset, length = (int(x) for x in prefix.split(":"))
+        ck = (segment, offset, length)
+        with self._cache_lock:
+            held = self._recent.get(ck)
+        if held is not None:
+            return held[0]
+        index = self._index(segment, offset, length)
+        if index is None:
+            return self._chunk(segment, offset, length)
+        return self._read_rows(ck, index, list(range(index.rows)))
+
     def resolve(self, keys: Sequence[str | None], value_type: pa.DataType) -> pa.Array:
         """The values for ``keys`` (None stays null), in order.
 
@@ -598,12 +612,19 @@ class BlobStore:
             self._fds.clear()
 
     # -- garbage collection ----------------------------------------------------------------------
-    def collect(self, live_segments: Iterable[int]) -> dict[str, int]:
-        """Delete whole segments that no row references (never the one being written)."""
+    def collect(self, live_segments: Iterable[int], *,
+                keep_newer_than: float | None = None) -> dict[str, int]:
+        """Delete whole segments that no row references (never the one being written, nor,
+        with ``keep_newer_than``, one modified at or after that time, in seconds since the
+        epoch: a cluster's data node keeps the segments of puts whose keys may still be on
+        their way to the coordinator)."""
         live = set(live_segments) | {self._segment}
         removed = freed = 0
         for seg in self.segments():
             if seg in live:
+                continue
+            if keep_newer_than is not None and self._local and \
+                    os.path.getmtime(self._path(seg)) >= keep_newer_than:
                 continue
             size = self._segment_size(seg)
             try:

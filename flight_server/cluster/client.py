@@ -102,6 +102,12 @@ class ClusterStore(RemoteStore):
                  fetch_threads: int = 8, **options: Any) -> None:
         if replicas not in (1, 2) or isinstance(replicas, bool):
             raise InvalidArgument(f"replicas {replicas!r} is invalid; expected 1 or 2")
+        roots = options.get("tls_root_certs")
+        if isinstance(roots, str):
+            with open(roots, "rb") as f:
+                roots = f.read()
+        #: trusted when fetching from and writing to data nodes over TLS, as for the coordinator
+        self._tls_root_certs: bytes | None = roots
         super().__init__(uri, **options)
         self.replicas = replicas
         self.placement = placement if placement is not None else local_placement()
@@ -137,7 +143,10 @@ class ClusterStore(RemoteStore):
         with self._directory_lock:
             client = self._node_clients.get(location)
             if client is None:
-                client = self._node_clients[location] = flight.FlightClient(location)
+                kwargs = {"tls_root_certs": self._tls_root_certs} \
+                    if self._tls_root_certs is not None and location.startswith("grpc+tls://") \
+                    else {}
+                client = self._node_clients[location] = flight.FlightClient(location, **kwargs)
             return client
 
     def home_node(self, exclude: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
@@ -193,16 +202,21 @@ class ClusterStore(RemoteStore):
         descriptor = flight.FlightDescriptor.for_command(
             json.dumps({"put": {"replicas": self.replicas}}).encode())
         client = self._node_client(location)
-        writer, answers = client.do_put(descriptor, values.schema, self._options())
         try:
-            writer.write_table(values, max_chunksize=max(1, values.num_rows))
-            writer.done_writing()
-            answer = json.loads(answers.read().to_pybytes())
-        except flight.FlightServerError as e:
+            writer, answers = client.do_put(descriptor, values.schema, self._options())
+            try:
+                writer.write_table(values, max_chunksize=max(1, values.num_rows))
+                writer.done_writing()
+                answer = answers.read()
+            finally:
+                writer.close()          # a refused put's error comes from here
+        except (flight.FlightUnavailableError, flight.FlightTimedOutError):
+            raise                          # the caller tries another node
+        except flight.FlightError as e:
             raise from_flight(e) from None
-        finally:
-            writer.close()
-        return answer["chunks"]
+        if answer is None:
+            raise Unavailable(f"data node {location} ended the put without an answer")
+        return json.loads(answer.to_pybytes())["chunks"]
 
     # -- claims ------------------------------------------------------------------------------------
     def _streams_claims(self, table: str, limit: int) -> bool:
@@ -280,6 +294,8 @@ class ClusterStore(RemoteStore):
                 fetched[node] = future.result()
             except (flight.FlightUnavailableError, flight.FlightTimedOutError, OSError):
                 failed.add(node)
+            except flight.FlightError as e:  # refused (a token, a bad key): not a lost node
+                raise from_flight(e) from None
         if failed:
             raise LostValues(failed, f"data node(s) {sorted(failed)} did not answer")
         for i, c in enumerate(columns):

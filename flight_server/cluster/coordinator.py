@@ -13,6 +13,15 @@ Data nodes register (``register_node``) and repeat it as a heartbeat. A node sil
 probed; if it does not answer it is *lost*: live rows with a value that no other live node holds
 are dead-lettered, with the reason kept in ``<db>.deadletters.jsonl`` (``dead_letters``). A lost
 node that registers again serves again (its disk came back); rows already dead-lettered stay so.
+
+After a loss, values that had two holders have one: the coordinator has the surviving holder copy
+each such chunk to another live node (``copy_chunks``) and points the rows at the two holders
+(:meth:`CoordinatorServer.restore_replicas`), so a second loss loses nothing acknowledged.
+``gc`` also tells each data node which of its segments rows still name (``collect``); the nodes
+delete the others once they are older than ``gc_grace``.
+
+With a tokens file and certificate the coordinator calls data nodes as they call it, with the
+node token over TLS (:mod:`flight_server.cluster.security`).
 """
 from __future__ import annotations
 
@@ -30,19 +39,27 @@ import pyarrow.flight as flight
 
 from store.claims import Claim, ClaimRequest
 from store.embedded import EmbeddedStore
-from store.errors import InvalidArgument, NotFound
+from store.errors import ExpstoreError, InvalidArgument, NotFound
 from store.types import is_complex, parse_type, type_name
 
 from ..actions import check_fields, parse_body
-from ..errors import flight_errors, to_flight
+from ..errors import flight_errors, from_flight, to_flight
 from ..server import ExpstoreFlightServer
-from .locations import check_node_id, lost_predicate, parse_key
+from .locations import (Holder, check_node_id, chunk_location, degraded_predicate,
+                        holder_segments_sql, lost_predicate, parse_holder, parse_key)
+from .security import ClusterSecurity
 
 log = logging.getLogger(__name__)
 
 #: the consumer name of the coordinator's own claims of rows whose values were lost
 SWEEPER = "expstore-coordinator:lost-values"
 PROBE_TIMEOUT = 2.0
+#: how long a data node may take to copy chunks or collect segments
+NODE_CALL_TIMEOUT = 300.0
+#: a pass restoring replicas runs again this long after a loss (keys acknowledged by the data
+#: nodes before it may reach the coordinator after the first pass), and this long after a pass
+#: that left values with one copy (no other live node, or a node failed)
+REPAIR_FOLLOW_UP = 5.0
 
 
 class ClusterRegistry:
@@ -115,16 +132,30 @@ class CoordinatorServer(ExpstoreFlightServer):
         db: the DuckDB file.
         node_timeout: seconds without a heartbeat after which a data node is probed, and
             declared lost if the probe fails.
+        gc_grace: ``gc`` leaves on the data nodes the segments written in the last
+            ``gc_grace`` seconds (a put's keys may still be on their way here).
+        tls_root_certs: PEM roots (bytes or a path) to trust when calling data nodes over TLS.
         **options: passed to :class:`ExpstoreFlightServer` (and its store).
     """
 
-    def __init__(self, db: str, *, node_timeout: float = 6.0, **options: Any) -> None:
+    def __init__(self, db: str, *, node_timeout: float = 6.0, gc_grace: float = 3600.0,
+                 tls_root_certs: bytes | str | None = None, **options: Any) -> None:
         server = {k: options.pop(k) for k in _SERVER_OPTIONS if k in options}
+        self.security = ClusterSecurity.from_files(
+            server.get("tokens_file"), server.get("tls_cert"), server.get("tls_key"),
+            tls_root_certs)
         super().__init__(CountingStore(db, **options), **server)
         self._owns_store = True
         self.registry = ClusterRegistry(f"{self.store.path}.cluster.json")
         self.node_timeout = node_timeout
-        self.cluster_counters = {"dead_lettered": 0}
+        self.gc_grace = gc_grace
+        self.cluster_counters = {"dead_lettered": 0, "replicas_restored": 0,
+                                 "under_replicated": 0}
+        self._repair_lock = threading.Lock()
+        # when the next pass restoring replicas is due (monotonic), None: none is; a restart
+        # with lost nodes in the registry checks once
+        self._repair_due: float | None = time.monotonic() if self.registry.lost else None
+        self._follow_up: float | None = None
         self._dead_path = f"{self.store.path}.deadletters.jsonl"
         self._sweep_lock = threading.Lock()
         self._monitor_stop = threading.Event()
@@ -157,6 +188,10 @@ class CoordinatorServer(ExpstoreFlightServer):
             parts = [json.dumps(self._declared(json.loads(parts[0]))).encode()]
         elif name == "drop_table":
             self._forget_table(action)
+        elif name == "gc":
+            answer = json.loads(parts[0])
+            answer["data_nodes"] = self.collect_data_nodes()
+            parts = [json.dumps(answer).encode()]
         elif name == "health":
             answer = json.loads(parts[0])
             with self.registry.lock:
@@ -262,6 +297,8 @@ class CoordinatorServer(ExpstoreFlightServer):
             if node_id in self.registry.lost:
                 log.info("data node %s is back", node_id)
                 self.registry.lost.discard(node_id)
+            if changed and self.cluster_counters["under_replicated"]:
+                self._repair_due = time.monotonic()      # a node to copy to, perhaps
             if changed:
                 self.registry.save()
             return {"node_id": node_id, "nodes": self.registry.node_list()}
@@ -274,7 +311,8 @@ class CoordinatorServer(ExpstoreFlightServer):
             return {"nodes": self.registry.node_list(),
                     "tables": {t: dict(c) for t, c in self.registry.tables.items()},
                     "put_bytes": counted.put_bytes, "claim_bytes": counted.claim_bytes,
-                    **self.cluster_counters}
+                    "repair_pending": self._repair_due is not None
+                    or self._follow_up is not None, **self.cluster_counters}
 
     def _action_report_lost(self, body: dict[str, Any]) -> dict[str, Any]:
         check_fields(body, "report_lost", ("node_id",))
@@ -300,15 +338,28 @@ class CoordinatorServer(ExpstoreFlightServer):
         return [e for e in entries if table is None or e["table"] == table]
 
     # -- liveness and lost values -------------------------------------------------------------------
-    @staticmethod
-    def _probe(location: str) -> bool:
-        client = flight.FlightClient(location)
+    def _probe(self, location: str) -> bool:
+        client = self.security.client(location)
         try:
             list(client.do_action(flight.Action("health", b"{}"),
-                                  flight.FlightCallOptions(timeout=PROBE_TIMEOUT)))
+                                  self.security.options(PROBE_TIMEOUT)))
             return True
+        except (flight.FlightUnauthenticatedError, flight.FlightUnauthorizedError):
+            return True                # it answered (with other tokens than ours: its log says)
         except flight.FlightError:
             return False
+        finally:
+            client.close()
+
+    def _node_action(self, location: str, name: str, body: dict[str, Any]) -> Any:
+        """A data node's action, called with the node token; its JSON answer."""
+        client = self.security.client(location)
+        try:
+            results = list(client.do_action(flight.Action(name, json.dumps(body).encode()),
+                                            self.security.options(NODE_CALL_TIMEOUT)))
+            return json.loads(results[0].body.to_pybytes())
+        except flight.FlightError as e:
+            raise from_flight(e) from None
         finally:
             client.close()
 
@@ -319,6 +370,9 @@ class CoordinatorServer(ExpstoreFlightServer):
             log.warning("data node %s is lost", node_id)
             self.registry.lost.add(node_id)
             self.registry.save()
+            now = time.monotonic()
+            self._repair_due = now
+            self._follow_up = now + REPAIR_FOLLOW_UP
 
     def _watch_nodes(self) -> None:
         while not self._monitor_stop.wait(1.0):
@@ -335,6 +389,136 @@ class CoordinatorServer(ExpstoreFlightServer):
                     self.sweep()
                 except Exception:  # noqa: BLE001 - retried at the next loss or report
                     log.exception("dead-lettering the rows of lost data nodes failed")
+            self._repair_if_due()
+
+    def _repair_if_due(self) -> None:
+        now = time.monotonic()
+        with self.registry.lock:
+            due = self._repair_due is not None and self._repair_due <= now
+            if not due and self._follow_up is not None and self._follow_up <= now:
+                due, self._follow_up = True, None
+            if due:
+                self._repair_due = None
+        if not due:
+            return
+        try:
+            left = self.restore_replicas()
+        except Exception:  # noqa: BLE001 - tried again later
+            log.exception("restoring second copies after a data node loss failed")
+            left = -1
+        if left:
+            with self.registry.lock:
+                self._repair_due = time.monotonic() + REPAIR_FOLLOW_UP
+
+    def restore_replicas(self) -> int:
+        """Give every value left with one live holder by a loss a second copy; how many chunks
+        still have one (no other live node to copy to, or a copy failed: tried again later).
+
+        For each data-node column, the rows still to be delivered (not consumed, stale or dead)
+        whose key has one lost and one live holder: the live holder copies each such chunk to
+        the next live node in ring order (``copy_chunks``), then the rows' keys are rewritten to
+        name both (an upsert of the key column, its policy and finished versions kept)."""
+        with self.registry.lock:
+            lost = sorted(self.registry.lost)
+            live = {k: v["location"] for k, v in self.registry.nodes.items()
+                    if k not in self.registry.lost}
+            tables = {t: list(c) for t, c in self.registry.tables.items()}
+        left = 0
+        with self._repair_lock:
+            for table, columns in tables.items() if lost else ():
+                if table not in self.store.list_tables():
+                    continue
+                for column in columns:
+                    left += self._restore_column(table, column, lost, live)
+        self.cluster_counters["under_replicated"] = left
+        return left
+
+    def _restore_column(self, table: str, column: str, lost: list[str],
+                        live: dict[str, str]) -> int:
+        rows = self.store.query(
+            f'SELECT sample_id, policy_version, finished_version, "{column}" FROM "{table}" '
+            f"WHERE NOT consumed AND NOT stale AND NOT dead AND "
+            f"{degraded_predicate(column, lost)}")
+        if rows.num_rows == 0:
+            return 0
+        keys = rows.column(column).to_pylist()
+        locations = sorted({k.rpartition("/")[0] for k in keys})
+        plan: dict[tuple[str, str], list[tuple[str, Holder]]] = {}
+        left = 0
+        for location in locations:
+            holders = parse_key(f"{location}/0")[0]
+            source = next((h for h in holders if h.node in live), None)
+            if source is None:           # the other holder is not registered (any more)
+                left += 1
+                continue
+            named = {h.node for h in holders}
+            target = next((n for n in _ring_after(source.node, sorted(live)) if n not in named),
+                          None)
+            if target is None:
+                left += 1
+                continue
+            plan.setdefault((source.node, target), []).append((location, source))
+        moved: dict[str, str] = {}
+        for (source_node, target), items in plan.items():
+            try:
+                copies = self._node_action(live[source_node], "copy_chunks", {
+                    "chunks": [h.chunk for _, h in items], "to": live[target]})["copies"]
+            except ExpstoreError as e:
+                log.warning("copying %d chunk(s) from %s to %s failed: %s", len(items),
+                            source_node, target, e)
+                left += len(items)
+                continue
+            for location, holder in items:
+                moved[location] = chunk_location([holder, parse_holder(copies[holder.chunk])])
+        if not moved:
+            return left
+        new_keys, keep = [], []
+        for i, key in enumerate(keys):
+            location, _, row = key.rpartition("/")
+            if location in moved:
+                new_keys.append(f"{moved[location]}/{row}")
+                keep.append(i)
+        kept = rows.take(keep)
+        update = pa.table({"sample_id": kept.column("sample_id"),
+                           "policy_version": kept.column("policy_version"),
+                           "finished_version": kept.column("finished_version"),
+                           column: pa.array(new_keys, pa.large_string())})
+        try:
+            self.store.put(table, update)
+        except ExpstoreError as e:          # e.g. a bump staled some rows meanwhile
+            log.warning("pointing %d row(s) of %s.%s at their new copies failed: %s",
+                        update.num_rows, table, column, e)
+            return left + len(moved)
+        self.cluster_counters["replicas_restored"] += len(moved)
+        log.info("restored a second copy of %d chunk(s) of %s.%s", len(moved), table, column)
+        return left
+
+    # -- garbage collection on the data nodes ----------------------------------------------------
+    def collect_data_nodes(self) -> dict[str, Any]:
+        """Tell each live data node which of its segments rows still name (rows in any state:
+        a consumed row's values stay, as on one server); it deletes the others older than
+        ``gc_grace``. Per node its answer, or the error that stopped it."""
+        with self.registry.lock:
+            live = {k: v["location"] for k, v in self.registry.nodes.items()
+                    if k not in self.registry.lost}
+            tables = {t: list(c) for t, c in self.registry.tables.items()}
+        named: dict[str, set[int]] = {n: set() for n in live}
+        for table, columns in tables.items():
+            if table not in self.store.list_tables():
+                continue
+            for column in columns:
+                found = self.store.query(holder_segments_sql(table, column))
+                for node, segment in zip(found.column("node").to_pylist(),
+                                         found.column("segment").to_pylist()):
+                    named.setdefault(node, set()).add(int(segment))
+        answers: dict[str, Any] = {}
+        for node, location in sorted(live.items()):
+            try:
+                answers[node] = self._node_action(location, "collect", {
+                    "live_segments": sorted(named[node]), "grace_seconds": self.gc_grace})
+            except ExpstoreError as e:
+                answers[node] = {"error": str(e)}
+        return answers
 
     def sweep(self) -> int:
         """Dead-letter the live, ready rows whose values no live data node holds; how many.
@@ -384,12 +568,18 @@ class CoordinatorServer(ExpstoreFlightServer):
         super().close()
 
 
+def _ring_after(node: str, nodes: list[str]) -> list[str]:
+    """``nodes`` (sorted) in ring order starting after ``node``: copies spread over the nodes."""
+    return [n for n in nodes if n > node] + [n for n in nodes if n <= node]
+
+
 _CLUSTER_ACTIONS: dict[str, tuple[str, str]] = {
     "register_node": ("writer", "A data node announces itself (repeated as a heartbeat). Body: "
                                 "{node_id, location, placement?}. Answer: {node_id, nodes}"),
     "cluster": ("reader", "The data nodes and data-node columns. Body: {}. Answer: {nodes: "
                           "[{node_id, location, placement, alive}], tables: {table: {col: type}}, "
-                          "put_bytes, claim_bytes, dead_lettered}"),
+                          "put_bytes, claim_bytes, dead_lettered, replicas_restored, "
+                          "under_replicated, repair_pending}"),
     "report_lost": ("writer", "A client could not reach a data node: probe it, and if it is gone "
                               "dead-letter rows whose values it alone held. Body: {node_id}"),
     "dead_letters": ("reader", "Rows dead-lettered because their values were lost, with the "

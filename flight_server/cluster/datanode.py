@@ -6,14 +6,21 @@ consumer claimed. With ``replicas: 2`` the node forwards each batch to a second 
 answers only once both hold it. The node registers with the coordinator, and again every
 ``HEARTBEAT_SECONDS``: a restarted coordinator learns the nodes from their next heartbeat.
 
+With the cluster's tokens (:mod:`flight_server.cluster.security`) every call needs a bearer token
+(reads: reader, puts: writer, the coordinator's ``copy_chunks`` and ``collect``: admin), and the
+node presents the node token to the coordinator and its peers; with its certificate it serves
+``grpc+tls://``.
+
 >>> with DataNodeServer("/tmp/dn-doc", "dn-doc", port=0) as node:   # doctest: +SKIP
 ...     print(node.location)
 """
 from __future__ import annotations
 
 import json
+import re
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -24,8 +31,11 @@ from store.blobs import BlobStore, serialize_chunk_buffer
 from store.errors import InvalidArgument, NotFound, Unavailable
 from store.types import one_array, parse_type
 
+from ..actions import check_fields, parse_body
+from ..auth import principal_of
 from ..errors import flight_errors, from_flight, to_flight
 from .locations import Holder, check_node_id, chunk_location
+from .security import NO_SECURITY, ClusterSecurity
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +55,21 @@ class DataNodeServer(flight.FlightServerBase):
             e.g. in tests of the node alone).
         placement: where the node runs, e.g. its Ray node id; producers and consumers that run
             there prefer this node.
+        security: the cluster's tokens and TLS material (default: none).
     """
 
     def __init__(self, root: str, node_id: str, *, host: str = "127.0.0.1", port: int = 0,
-                 coordinator: str | None = None, placement: str | None = None) -> None:
+                 coordinator: str | None = None, placement: str | None = None,
+                 security: ClusterSecurity = NO_SECURITY) -> None:
         self.node_id = check_node_id(node_id)
         self.blobs = BlobStore(root)
         self.host = host
         self.placement = placement
         self.coordinator = coordinator
+        self.security = security
         self.counters = {"bytes_received": 0, "bytes_served": 0, "chunks_written": 0,
-                         "replica_puts": 0}
+                         "replica_puts": 0, "chunks_copied": 0, "segments_removed": 0,
+                         "bytes_freed": 0}
         self._write_lock = threading.Lock()
         self._peers: list[dict[str, Any]] = []
         self._clients: dict[str, flight.FlightClient] = {}
@@ -63,11 +77,11 @@ class DataNodeServer(flight.FlightServerBase):
         self._forwarder = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dn-replica")
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
-        super().__init__(f"grpc://{host}:{port}")
+        super().__init__(f"{security.scheme}://{host}:{port}", **security.server_options())
 
     @property
     def location(self) -> str:
-        return f"grpc://{self.host}:{self.port}"
+        return f"{self.security.scheme}://{self.host}:{self.port}"
 
     # -- registration ------------------------------------------------------------------------
     def start_heartbeat(self) -> None:
@@ -95,7 +109,7 @@ class DataNodeServer(flight.FlightServerBase):
         try:
             results = list(client.do_action(flight.Action("register_node",
                                                           json.dumps(body).encode()),
-                                            flight.FlightCallOptions(timeout=10)))
+                                            self.security.options(10)))
         except flight.FlightError as e:
             raise from_flight(e) from None
         answer = json.loads(results[0].body.to_pybytes())
@@ -105,7 +119,7 @@ class DataNodeServer(flight.FlightServerBase):
         with self._clients_lock:
             client = self._clients.get(location)
             if client is None:
-                client = self._clients[location] = flight.FlightClient(location)
+                client = self._clients[location] = self.security.client(location)
             return client
 
     # -- writes --------------------------------------------------------------------------------
@@ -113,6 +127,7 @@ class DataNodeServer(flight.FlightServerBase):
                reader: flight.MetadataRecordBatchReader,
                writer: flight.FlightMetadataWriter) -> None:
         with flight_errors():
+            principal_of(context).require("writer", "a data node's do_put")
             replicas = _put_command(descriptor)
             index = 0
             for chunk in reader:
@@ -155,13 +170,18 @@ class DataNodeServer(flight.FlightServerBase):
                     json.dumps({"put": {"replicas": 1}}).encode())
                 client = self._client(peer["location"])
                 w, answers = client.do_put(descriptor, batch.schema,
-                                           flight.FlightCallOptions(timeout=REPLICA_TIMEOUT))
-                w.write_batch(batch)
-                w.done_writing()
-                answer = json.loads(answers.read().to_pybytes())
-                w.close()
+                                           self.security.options(REPLICA_TIMEOUT))
+                try:
+                    w.write_batch(batch)
+                    w.done_writing()
+                    answer = answers.read()
+                finally:
+                    w.close()           # a refused put's error comes from here
+                if answer is None:
+                    errors.append(f"{peer['node_id']}: the put ended without an answer")
+                    continue
                 self.counters["replica_puts"] += 1
-                return peer["node_id"], answer["chunks"]
+                return peer["node_id"], json.loads(answer.to_pybytes())["chunks"]
             except flight.FlightError as e:
                 errors.append(f"{peer['node_id']}: {e}")
         raise Unavailable(f"replicas=2 needs a second live data node; none took the values "
@@ -171,6 +191,7 @@ class DataNodeServer(flight.FlightServerBase):
     def do_get(self, context: flight.ServerCallContext,
                ticket: flight.Ticket) -> flight.RecordBatchStream:
         with flight_errors():
+            principal_of(context).require("reader", "a data node's do_get")
             columns = _get_ticket(ticket.ticket)
             table = pa.table({f"c{i}": self.blobs.resolve(keys, value_type)
                               for i, (keys, value_type) in enumerate(columns)})
@@ -179,14 +200,83 @@ class DataNodeServer(flight.FlightServerBase):
 
     # -- actions ---------------------------------------------------------------------------------
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
-        return [("health", "The node's id, location and byte counters. Body: {}")]
+        return [(name, f"[{role}] {text}") for name, (role, text) in _ACTIONS.items()]
 
     def do_action(self, context: flight.ServerCallContext,
                   action: flight.Action) -> Iterator[bytes]:
-        if action.type != "health":
-            raise to_flight(NotFound(f"unknown data node action {action.type!r}; actions: "
-                                     "['health']"))
-        yield json.dumps(self.health()).encode()
+        with flight_errors():
+            if action.type not in _ACTIONS:
+                raise NotFound(f"unknown data node action {action.type!r}; actions: "
+                               f"{sorted(_ACTIONS)}")
+            principal_of(context).require(_ACTIONS[action.type][0], action.type)
+            body = parse_body(action.body.to_pybytes() if action.body else b"", action.type)
+            answer = getattr(self, f"_action_{action.type}")(body)
+        yield json.dumps(answer).encode()
+
+    def _action_health(self, body: dict[str, Any]) -> dict[str, Any]:
+        check_fields(body, "health", ())
+        return self.health()
+
+    def _action_copy_chunks(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Copy whole chunks of this node to the data node at ``to`` (a do_put there, one batch
+        per chunk): how the coordinator restores a second copy after a loss."""
+        check_fields(body, "copy_chunks", ("chunks", "to"))
+        chunks, to = body["chunks"], body["to"]
+        if not isinstance(chunks, list) or not all(isinstance(c, str) and _CHUNK.fullmatch(c)
+                                                    for c in chunks):
+            raise InvalidArgument(f"copy_chunks chunks {str(chunks)[:200]!r} are invalid; "
+                                  "expected a list of 'segment:offset:length'")
+        if not isinstance(to, str) or "://" not in to:
+            raise InvalidArgument(f"copy_chunks to {to!r} is invalid; expected the target "
+                                  "node's grpc://host:port")
+        by_type: dict[pa.DataType, list[tuple[str, pa.Array]]] = {}
+        for chunk in chunks:
+            values = self.blobs.chunk(chunk)
+            by_type.setdefault(values.type, []).append((chunk, values))
+        copies: dict[str, str] = {}
+        client = self._client(to)
+        for value_type, group in by_type.items():
+            schema = pa.schema([("v", value_type)])
+            descriptor = flight.FlightDescriptor.for_command(b'{"put": {"replicas": 1}}')
+            try:
+                writer, answers = client.do_put(descriptor, schema,
+                                                self.security.options(REPLICA_TIMEOUT))
+                try:
+                    for chunk, values in group:
+                        writer.write_batch(pa.record_batch([values], schema=schema))
+                        answer = answers.read()
+                        if answer is None:
+                            break           # refused: writer.close() raises why
+                        copies[chunk] = json.loads(answer.to_pybytes())["chunks"]["v"]
+                    writer.done_writing()
+                finally:
+                    writer.close()
+                if len(copies) < len(chunks) and group[-1][0] not in copies:
+                    raise Unavailable(f"data node {to} ended a copy without answering")
+            except flight.FlightError as e:
+                raise from_flight(e) from None
+        self.counters["chunks_copied"] += len(copies)
+        return {"copies": copies}
+
+    def _action_collect(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Delete the segments holding no live value: those not in ``live_segments`` and not
+        written in the last ``grace_seconds`` (keys of a put may still be on their way to the
+        coordinator), never the one being written, which is rolled first."""
+        check_fields(body, "collect", ("live_segments", "grace_seconds"))
+        live, grace = body["live_segments"], body["grace_seconds"]
+        if not isinstance(live, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                 and x >= 0 for x in live):
+            raise InvalidArgument(f"collect live_segments {str(live)[:200]!r} are invalid; "
+                                  "expected a list of segment numbers (integers ≥ 0)")
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+            raise InvalidArgument(f"collect grace_seconds {grace!r} is invalid; expected a "
+                                  "number ≥ 0")
+        with self._write_lock:
+            self.blobs.roll()
+            answer = self.blobs.collect(live, keep_newer_than=time.time() - grace)
+        self.counters["segments_removed"] += answer["segments_removed"]
+        self.counters["bytes_freed"] += answer["bytes_freed"]
+        return {**answer, "segments": len(self.blobs.segments())}
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "node_id": self.node_id, "location": self.location,
@@ -205,6 +295,17 @@ class DataNodeServer(flight.FlightServerBase):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_ACTIONS: dict[str, tuple[str, str]] = {
+    "health": ("reader", "The node's id, location, segments and counters. Body: {}"),
+    "copy_chunks": ("admin", "Copy whole chunks to another data node. Body: {chunks: "
+                             "['segment:offset:length', …], to: 'grpc://…'}. Answer: {copies: "
+                             "{chunk: 'node@segment:offset:length'}}"),
+    "collect": ("admin", "Delete segments holding no live value. Body: {live_segments: [n, …], "
+                         "grace_seconds}. Answer: {segments_removed, bytes_freed, segments}"),
+}
+_CHUNK = re.compile(r"[0-9]+:[0-9]+:[0-9]+")
 
 
 def _ring_after(node_id: str, peers: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -78,3 +78,31 @@ def lost_predicate(column: str, lost: list[str]) -> str:
     second = f"split_part(\"{column}\", ',', 2)"
     return (f"(\"{column}\" IS NOT NULL AND {first} IN ({names}) AND "
             f"({second} = '' OR split_part({second}, '@', 1) IN ({names})))")
+
+
+def degraded_predicate(column: str, lost: list[str]) -> str:
+    """SQL: the value in ``column`` has two holders, one of them in ``lost`` and the other not
+    (one copy left: what re-replication restores). Checked as :func:`lost_predicate`."""
+    names = ", ".join(f"'{check_node_id(n)}'" for n in lost)
+    first = f"split_part(split_part(\"{column}\", ',', 1), '@', 1)"
+    second = f"split_part(split_part(\"{column}\", ',', 2), '@', 1)"
+    return (f"(\"{column}\" IS NOT NULL AND {second} <> '' AND "
+            f"(({first} IN ({names})) <> ({second} IN ({names}))))")
+
+
+def holder_segments_sql(table: str, column: str) -> str:
+    """SQL: every (node, segment) a location key of ``column`` names, distinct; the names are
+    checked identifiers."""
+    return (f"SELECT DISTINCT split_part(h, '@', 1) AS node, "
+            f"CAST(split_part(split_part(h, '@', 2), ':', 1) AS BIGINT) AS segment FROM ("
+            f"SELECT unnest(string_split(regexp_replace(\"{column}\", '/[0-9]+$', ''), ',')) "
+            f"AS h FROM \"{table}\" WHERE \"{column}\" IS NOT NULL) AS holders")
+
+
+def parse_holder(text: str) -> Holder:
+    """``node@segment:offset:length`` (one holder of a chunk, as a data node answers it)."""
+    m = _HOLDER.fullmatch(text)
+    if m is None:
+        raise InvalidArgument(f"chunk location {text!r} is malformed; expected "
+                              "'node@segment:offset:length'")
+    return Holder(m.group(1), m.group(2))

@@ -22,6 +22,8 @@ from typing import Any
 
 from store.errors import InvalidArgument, Unavailable
 
+from .security import NO_SECURITY, ClusterSecurity
+
 NAMESPACE = "expstore"
 COORDINATOR_NAME = "expstore-coordinator"
 DATANODE_PREFIX = "expstore-datanode-"
@@ -65,13 +67,15 @@ class CoordinatorActor:
 class DataNodeActor:
     """A data node's Ray actor: serves and heartbeats until the process ends."""
 
-    def __init__(self, root: str, node_id: str, coordinator: str) -> None:
+    def __init__(self, root: str, node_id: str, coordinator: str,
+                 security: ClusterSecurity = NO_SECURITY) -> None:
         import ray
 
         from .datanode import DataNodeServer
         self.server = DataNodeServer(root, node_id, host=ray.util.get_node_ip_address(),
                                      coordinator=coordinator,
-                                     placement=ray.get_runtime_context().get_node_id())
+                                     placement=ray.get_runtime_context().get_node_id(),
+                                     security=security)
         self.server.start_heartbeat()
 
     def location(self) -> str:
@@ -113,7 +117,9 @@ def cluster_up(address: str | None = "auto", *, db: str = "expstore.duckdb", por
                data_dir: str = "expstore-data", node_timeout: float = 6.0,
                detached: bool = False, ready_timeout: float = 120.0,
                server_options: dict[str, Any] | None = None,
-               nodes: list[str] | None = None) -> ClusterHandle:
+               nodes: list[str] | None = None, tokens_file: str | None = None,
+               tls_cert: str | None = None, tls_key: str | None = None,
+               tls_root_certs: str | None = None, gc_grace: float = 3600.0) -> ClusterHandle:
     """Start a coordinator on this Ray node and a data node on every alive Ray node.
 
     Args:
@@ -126,14 +132,27 @@ def cluster_up(address: str | None = "auto", *, db: str = "expstore.duckdb", por
         detached: keep the actors after this process exits (``expstore cluster up``).
         ready_timeout: seconds to wait for every data node to register.
         nodes: the Ray node ids to start data nodes on (default: every alive node).
+        tokens_file, tls_cert, tls_key: as for ``expstore serve``, read here: the coordinator
+            and every data node accept the same tokens and serve TLS with the same
+            certificate (it must name every machine's address).
+        tls_root_certs: PEM roots the cluster's servers trust when calling each other over
+            TLS (a self-signed certificate is its own root; default: the system's).
+        gc_grace: ``gc`` leaves on the data nodes segments written in the last ``gc_grace``
+            seconds.
     """
+    security = ClusterSecurity.from_files(tokens_file, tls_cert, tls_key, tls_root_certs)
     ray = import_ray()
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     here = ray.get_runtime_context().get_node_id()
     lifetime = {"lifetime": "detached"} if detached else {}
-    options = {"node_timeout": node_timeout, **(server_options or {})}
+    options = {"node_timeout": node_timeout, "gc_grace": gc_grace,
+               "tls_root_certs": security.tls_root_certs, **(server_options or {})}
+    # the coordinator runs here: it reads the same files
+    options.update({k: os.path.abspath(v) for k, v in (("tokens_file", tokens_file),
+                                                        ("tls_cert", tls_cert),
+                                                        ("tls_key", tls_key)) if v})
     coordinator = ray.remote(CoordinatorActor).options(
         name=COORDINATOR_NAME, namespace=NAMESPACE, num_cpus=0, max_restarts=-1,
         max_task_retries=-1,
@@ -151,17 +170,20 @@ def cluster_up(address: str | None = "auto", *, db: str = "expstore.duckdb", por
             max_restarts=-1, max_task_retries=-1,
             scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False),
             **lifetime).remote(os.path.join(data_root, data_node_id(nid)), data_node_id(nid),
-                               uri)
+                               uri, security)
     ray.get([a.location.remote() for a in handle.datanodes.values()], timeout=ready_timeout)
-    wait_registered(uri, len(handle.datanodes), ready_timeout)
+    wait_registered(uri, len(handle.datanodes), ready_timeout, security)
     return handle
 
 
-def wait_registered(uri: str, nodes: int, timeout: float) -> None:
+def wait_registered(uri: str, nodes: int, timeout: float,
+                    security: ClusterSecurity = NO_SECURITY) -> None:
     """Wait until the coordinator at ``uri`` lists ``nodes`` live data nodes."""
     from ..client import RemoteStore
     deadline = time.monotonic() + timeout
-    with RemoteStore(uri, sessions=False, connect_timeout=timeout) as s:
+    with RemoteStore(uri, sessions=False, connect_timeout=timeout,
+                     token=security.node_token(),
+                     tls_root_certs=security.tls_root_certs) as s:
         while True:
             live = [n for n in s._json("cluster")["nodes"] if n["alive"]]
             if len(live) >= nodes:

@@ -6,6 +6,7 @@ The same servers on a Ray cluster of several nodes are tested in tests/flight_se
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,25 +19,29 @@ from flight_server.cluster.client import ClusterStore
 from flight_server.cluster.coordinator import CoordinatorServer
 from flight_server.cluster.datanode import DataNodeServer
 from flight_server.cluster.locations import parse_key, row_keys
-from store.errors import InvalidArgument
+from flight_server.cluster.security import NO_SECURITY, ClusterSecurity
+from store.errors import InvalidArgument, PermissionDenied
 
-from flight_fixtures import action_json, error_code
+from flight_fixtures import (TOKENS, WRONG_TOKEN, action_json, bearer, error_code,
+                             self_signed_cert, write_tokens)
 from waiting import wait_until
 
 VALUE = 64 * 1024
 
 
 class Cluster:
-    def __init__(self, root: Path, nodes: int = 3, node_timeout: float = 1.0) -> None:
+    def __init__(self, root: Path, nodes: int = 3, node_timeout: float = 1.0,
+                 security: ClusterSecurity = NO_SECURITY, **coordinator: Any) -> None:
         self.root = root
+        self.security = security
         self.coordinator = CoordinatorServer(str(root / "coord.duckdb"), port=0,
-                                             node_timeout=node_timeout)
+                                             node_timeout=node_timeout, **coordinator)
         self.uri = self.coordinator.location
         self.nodes = [self.start_node(i) for i in range(nodes)]
 
     def start_node(self, i: int) -> DataNodeServer:
         node = DataNodeServer(str(self.root / f"dn-{i}"), f"dn-{i}", coordinator=self.uri,
-                              placement=f"machine-{i}")
+                              placement=f"machine-{i}", security=self.security)
         node.start_heartbeat()
         return node
 
@@ -284,3 +289,152 @@ def test_a_rows_columns_written_on_different_machines_come_back_together(cluster
         assert data.column("response").to_pylist() == [f"resp{i}" for i in range(5)]
         assert data.column("tokens").to_pylist() == [[0], [1], [2], [3], [9]]
         assert trainer.fetch_stats["fetches"] == 2      # one call to each of the two nodes
+
+
+# -- auth and TLS on the data nodes ------------------------------------------------------------
+@pytest.fixture
+def secured(tmp_path) -> Iterator[tuple[Cluster, str]]:
+    """A cluster serving TLS with one self-signed certificate and taking the tokens of
+    flight_fixtures.TOKENS, on the coordinator and every data node."""
+    cert, key = self_signed_cert(tmp_path)
+    tokens = write_tokens(tmp_path / "tokens.json")
+    c = Cluster(tmp_path, security=ClusterSecurity.from_files(tokens, cert, key, cert),
+                tokens_file=tokens, tls_cert=cert, tls_key=key, tls_root_certs=cert)
+    yield c, cert
+    c.close()
+
+
+def test_data_nodes_serve_tls_and_take_the_coordinators_tokens(secured):
+    c, cert = secured
+    assert c.uri.startswith("grpc+tls://")
+    assert all(n.location.startswith("grpc+tls://") for n in c.nodes)
+    wait_until(lambda: len(c.coordinator.registry.nodes) == 3, timeout=10,
+               message="data nodes registered with the node token over TLS")
+    with client(c, 1, token=TOKENS["admin"], tls_root_certs=cert, replicas=2) as producer, \
+            client(c, 2, token=TOKENS["writer"], tls_root_certs=cert) as trainer:
+        make_table(producer)
+        producer.put("t", rows("a", 4))          # forwarded to a peer with the node token
+        received = c.received()
+        assert received[1] > 4 * VALUE and max(received[0], received[2]) > 4 * VALUE
+        claim = trainer.claim("t", 4)
+        assert sorted(claim.tables["t"].column("response").to_pylist()) == \
+            sorted(rows("a", 4)["response"])
+        assert trainer.fetch_stats["fetches"] == 1
+        trainer.ack(claim.claim_id)
+
+
+def test_a_data_node_refuses_a_missing_or_wrong_token_as_the_coordinator_does(secured):
+    c, cert = secured
+    root = Path(cert).read_bytes()
+    ticket = flight.Ticket(json.dumps({"get": {"columns": [
+        {"keys": ["0:0:1:0"], "type": "string"}]}}).encode())
+    for token in (None, WRONG_TOKEN):
+        refusals = []
+        for location in (c.uri, c.nodes[0].location):
+            with flight.FlightClient(location, tls_root_certs=root) as raw:
+                with pytest.raises(flight.FlightUnauthenticatedError) as refused:
+                    action_json(raw, "health", {}, bearer(token))
+                refusals.append(str(refused.value).split("[unauthenticated]")[1].split(".")[0])
+                with pytest.raises(flight.FlightUnauthenticatedError):
+                    raw.do_get(ticket, bearer(token)).read_all()
+        assert refusals[0] == refusals[1]
+    with flight.FlightClient(c.nodes[0].location, tls_root_certs=root) as raw:
+        with pytest.raises(flight.FlightUnauthorizedError, match="'writer' role"):
+            w, _ = raw.do_put(flight.FlightDescriptor.for_command(b'{"put": {"replicas": 1}}'),
+                              pa.schema([("v", pa.string())]), bearer(TOKENS["reader"]))
+            w.write_batch(pa.record_batch({"v": ["x"]}))
+            w.close()
+        with pytest.raises(flight.FlightUnauthorizedError, match="'admin' role"):
+            action_json(raw, "collect", {"live_segments": [], "grace_seconds": 0},
+                        bearer(TOKENS["writer"]))
+        assert action_json(raw, "health", {}, bearer(TOKENS["reader"]))["node_id"] == "dn-0"
+    # a client without the certificate's root, or speaking plain gRPC, gets nothing
+    with flight.FlightClient(c.nodes[0].location) as untrusting:
+        with pytest.raises(flight.FlightUnavailableError):
+            action_json(untrusting, "health", {}, bearer(TOKENS["reader"]))
+    with flight.FlightClient(c.nodes[0].location.replace("grpc+tls", "grpc")) as plain:
+        with pytest.raises(flight.FlightUnavailableError):
+            action_json(plain, "health", {}, bearer(TOKENS["reader"]))
+    # the cluster's client with a reader's token cannot put values on a data node
+    with ClusterStore(c.uri, token=TOKENS["reader"], tls_root_certs=cert) as reader:
+        with ClusterStore(c.uri, token=TOKENS["admin"], tls_root_certs=cert) as admin:
+            make_table(admin)
+        with pytest.raises(PermissionDenied, match="a data node's do_put"):
+            reader.put("t", rows("x", 1))
+
+
+# -- re-replication after a loss ---------------------------------------------------------------
+def test_after_a_loss_second_copies_are_restored_so_a_second_loss_loses_nothing(cluster):
+    with client(cluster, 1, replicas=2) as producer, client(cluster, 0) as trainer:
+        make_table(producer)
+        producer.put("t", rows("a", 8))
+        producer.put("t", rows("b", 8))
+        holders = {h.node for k in producer.query("SELECT tokens FROM t").column(0).to_pylist()
+                   for h in parse_key(k)[0]}
+        assert len(holders) == 2 and "dn-1" in holders    # the producer's node and a peer
+        (other,) = holders - {"dn-1"}
+        (third,) = {"dn-0", "dn-2"} - holders
+        cluster.nodes[1].close()
+        # the coordinator finds dn-1 silent, and the other holder copies what it alone holds
+        # now to the third node
+        wait_until(lambda: _repaired(trainer), timeout=30,
+                   message="second copies restored after the loss of dn-1")
+        state = trainer.cluster(refresh=True)
+        assert state["replicas_restored"] == 4     # 2 puts × 2 data-node columns
+        keys = trainer.query("SELECT response, tokens FROM t")
+        for column in keys.columns:
+            assert all({h.node for h in parse_key(k)[0]} == {other, third}
+                       for k in column.to_pylist())
+        cluster.nodes[int(other[-1])].close()       # the other original holder
+        claim = trainer.claim("t", 16)
+        got = claim.tables["t"]
+        assert got.num_rows == 16
+        assert sorted(got.column("response").to_pylist()) == \
+            sorted(rows("a", 8)["response"] + rows("b", 8)["response"])
+        assert sorted(got.column("tokens").to_pylist()) == sorted(rows("a", 8)["tokens"] * 2)
+        trainer.ack(claim.claim_id)
+        assert trainer.stats("t")["t"]["dead"] == 0
+
+
+def _repaired(s: ClusterStore) -> bool:
+    state = s.cluster(refresh=True)
+    lost = {n["node_id"] for n in state["nodes"] if not n["alive"]}
+    return "dn-1" in lost and not state["repair_pending"] and state["under_replicated"] == 0 \
+        and state["replicas_restored"] > 0
+
+
+# -- GC of data-node segments ------------------------------------------------------------------
+def _disk(path: Path) -> int:
+    return sum(os.path.getsize(p) for p in path.glob("seg-*.arrow"))
+
+
+def test_gc_deletes_the_segments_no_row_names_on_the_data_nodes(tmp_path):
+    c = Cluster(tmp_path, gc_grace=0)
+    try:
+        with client(c, 0) as s:
+            make_table(s, "gone")
+            make_table(s, "kept")
+            s.put("gone", rows("g", 16))
+            first = s.gc()                          # everything is named: nothing goes
+            assert first["data_nodes"]["dn-0"]["segments_removed"] == 0
+            s.put("kept", rows("k", 4))
+            node = flight.FlightClient(c.nodes[0].location)
+            held = _disk(tmp_path / "dn-0")
+            assert held > 20 * VALUE
+            s.drop_table("gone")
+            # within the grace period a node keeps even a segment no row names
+            kept = action_json(node, "collect", {"live_segments": [], "grace_seconds": 3600})
+            assert kept["segments_removed"] == 0 and _disk(tmp_path / "dn-0") == held
+            answer = s.gc()
+            freed = answer["data_nodes"]["dn-0"]
+            assert freed["segments_removed"] == 1 and freed["bytes_freed"] > 16 * VALUE
+            assert _disk(tmp_path / "dn-0") <= held - 16 * VALUE   # the space is returned
+            assert answer["data_nodes"]["dn-1"]["segments_removed"] == 0
+            claim = s.claim("kept", 4)
+            assert sorted(claim.tables["kept"].column("response").to_pylist()) == \
+                sorted(rows("k", 4)["response"])
+            s.ack(claim.claim_id)
+            with pytest.raises(flight.FlightServerError, match="live_segments"):
+                action_json(node, "collect", {"live_segments": ["0"], "grace_seconds": 0})
+    finally:
+        c.close()

@@ -180,11 +180,27 @@ def test_a_killed_data_node_with_replicas_loses_nothing(deployed, ray_nodes):
     ids = [f"rep{i}_0_0" for i in range(8)]
     victim = ray_nodes[2]
     ray.get(produce.options(**on(victim)).remote(deployed.uri, "replicated", ids, replicas=2))
+    # rows left unclaimed until a second node is lost (the next test)
+    ray.get(produce.options(**on(victim)).remote(deployed.uri, "replicated",
+                                                 [f"later{i}_0_0" for i in range(4)], replicas=2))
     ray.kill(deployed.datanodes.pop(victim), no_restart=True)
-    got = ray.get(train.options(**on(ray_nodes[0])).remote(deployed.uri, "replicated", 8))
+    got = ray.get(train.options(**on(ray_nodes[0])).remote(deployed.uri, "replicated", 8,
+                                                           where="sample_id LIKE 'rep%'"))
     assert sorted(got["ids"]) == sorted(ids) and got["whole"]
     with store.connect(deployed.uri) as s:
         assert s.stats("replicated")["replicated"]["dead"] == 0
+        # the coordinator restores a second copy of what the lost node held, on the others
+        wait_until(lambda: _restored(s, data_node_id(victim)), timeout=60,
+                   message="second copies restored after the data node's loss")
+        keys = s.query("SELECT tokens FROM replicated WHERE sample_id LIKE 'later%'")
+        assert all(data_node_id(victim) not in k for k in keys.column(0).to_pylist())
+
+
+def _restored(s: Any, lost: str) -> bool:
+    state = s.cluster(refresh=True)
+    gone = {n["node_id"] for n in state["nodes"] if not n["alive"]}
+    return lost in gone and state["replicas_restored"] > 0 and not state["repair_pending"] \
+        and state["under_replicated"] == 0
 
 
 def test_a_killed_data_node_without_replicas_dead_letters_its_rows(deployed, ray_nodes):
@@ -208,6 +224,10 @@ def test_a_killed_data_node_without_replicas_dead_letters_its_rows(deployed, ray
         reasons = s._json("dead_letters", {"table": "single"})
         assert sorted(r["sample_id"] for r in reasons) == [f"lost{i}_0_0" for i in range(4)]
         assert all(data_node_id(victim) in r["reason"] for r in reasons)
+    # a second node lost: the replicated rows' restored copies still serve them in full
+    again = ray.get(train.options(**on(survivor)).remote(deployed.uri, "replicated", 4),
+                    timeout=60)
+    assert sorted(again["ids"]) == [f"later{i}_0_0" for i in range(4)] and again["whole"]
 
 
 def test_a_killed_coordinator_is_restarted_by_ray_from_its_file(deployed, ray_nodes):
@@ -236,21 +256,36 @@ def _answers(s: Any) -> bool:
         return False
 
 
-def test_cluster_up_and_down_from_the_cli(deployed, tmp_path):
+def test_cluster_up_with_tokens_and_tls_and_down_from_the_cli(deployed, tmp_path):
     from click.testing import CliRunner
 
     from expstore.cli import cli
+    from flight_fixtures import TOKENS, self_signed_cert, write_tokens
     deployed.stop()                     # the names are the CLI's to take now
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    cert, key = self_signed_cert(tmp_path)
+    tokens = write_tokens(tmp_path / "tokens.json")
     runner = CliRunner()
     up = runner.invoke(cli, ["cluster", "up", "--db", str(tmp_path / "cli.duckdb"), "--port",
-                             str(port), "--data-dir", str(tmp_path / "data"), "--json"])
+                             str(port), "--data-dir", str(tmp_path / "data"),
+                             "--tokens-file", tokens, "--tls-cert", cert, "--tls-key", key,
+                             "--tls-root-certs", cert, "--json"])
     assert up.exit_code == 0, up.output
-    assert f"grpc://127.0.0.1:{port}" in up.output and '"data_nodes": 3' in up.output
-    with store.connect(f"grpc://127.0.0.1:{port}") as s:
-        assert len(s.cluster()["nodes"]) == 3
+    assert f"grpc+tls://127.0.0.1:{port}" in up.output and '"data_nodes": 3' in up.output
+    uri = f"grpc+tls://127.0.0.1:{port}"
+    with store.connect(uri, token=TOKENS["admin"], tls_root_certs=cert) as s:
+        nodes = s.cluster()["nodes"]    # the data node actors registered with the node token
+        assert len(nodes) == 3 and all(n["location"].startswith("grpc+tls://") for n in nodes)
+        make_table(s, "secured")
+        s.put("secured", {"sample_id": ["s0_0_0"], "response": ["r"], "tokens": [[1]],
+                          "reward": [1.0]})
+        claim = s.claim("secured", 1)
+        assert claim.tables["secured"].column("response").to_pylist() == ["r"]
+        s.ack(claim.claim_id)
+    with pytest.raises(store.ExpstoreError, match="unauthenticated|bearer token"):
+        store.connect(uri, tls_root_certs=cert)._json("cluster")
     down = runner.invoke(cli, ["cluster", "down", "--json"])
     assert down.exit_code == 0, down.output
     assert "expstore-coordinator" in down.output
