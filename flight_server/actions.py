@@ -2,22 +2,21 @@
 
 Bodies are JSON objects; each answer is one JSON result, except ``claim`` and ``claim_many``
 which follow their JSON header with one Arrow IPC stream per claimed table (see
-docs/protocol.md).
+docs/protocol.md). Bodies and answers are decoded and encoded by :mod:`flight_server.wire`;
+a handler gets a body whose fields were checked against ``wire.ACTION_FIELDS``.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import pyarrow as pa
 
-from store.claims import Claim, ClaimRequest
+from store.claims import Claim
 from store.embedded import EmbeddedStore
 from store.errors import InvalidArgument
-from store.ipc import ipc_stream
 
-from .framing import CLAIM_ID_KEY, CONSUMER_KEY, EXPIRES_AT_KEY
+from . import wire
 
 Handler = Callable[[EmbeddedStore, dict[str, Any]], Any]
 
@@ -30,64 +29,24 @@ class ActionSpec:
     handler: Handler
 
 
-def check_fields(body: dict[str, Any], action: str, required: tuple[str, ...],
-            optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    missing = [f for f in required if f not in body]
-    if missing:
-        raise InvalidArgument(f"action {action!r} needs field(s) {missing}; got {sorted(body)}")
-    extra = set(body) - set(required) - set(optional)
-    if extra:
-        raise InvalidArgument(f"action {action!r} does not take field(s) {sorted(extra)}; it "
-                              f"takes {list(required) + list(optional)}")
-    return body
-
-
-def claim_results(claim: Claim) -> list[bytes]:
-    # An empty claim goes without streams: the client knows the claim schemas.
-    tables = claim.tables if claim.claim_id else {}
-    header = {"claim_id": claim.claim_id, "consumer": claim.consumer,
-              "expires_at": claim.expires_at,
-              "tables": {name: t.num_rows for name, t in tables.items()}}
-    out = [json.dumps(header).encode()]
-    for table in tables.values():
-        out.append(ipc_stream(table))
-    return out
-
-
 def _create_table(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    check_fields(b, "create_table", ("name", "columns"),
-            ("if_not_exists", "max_staleness", "version_group", "max_deliveries",
-             "lease_seconds", "storage", "required"))
     name, columns = b.pop("name"), b.pop("columns")
-    _flag(b, "if_not_exists", "create_table")
+    wire.flag(b, "if_not_exists", "create_table")
     return s.create_table(name, columns, **b)
 
 
 def _drop_table(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    check_fields(b, "drop_table", ("name",), ("if_exists",))
     return {"dropped": s.drop_table(b["name"],
-                                    if_exists=_flag(b, "if_exists", "drop_table"))}
-
-
-def _flag(b: dict[str, Any], key: str, action: str) -> bool:
-    """A JSON boolean field (absent: false). Strings such as "false" are refused, not truthy."""
-    value = b.get(key, False)
-    if not isinstance(value, bool):
-        raise InvalidArgument(f"action {action!r} field {key!r} must be true or false, got "
-                              f"{value!r}")
-    return value
+                                    if_exists=wire.flag(b, "if_exists", "drop_table"))}
 
 
 def _claim_one(s: EmbeddedStore, b: dict[str, Any]) -> Claim:
-    check_fields(b, "claim", ("table", "limit"),
-            ("where", "group_by", "group_size", "consumer", "lease_seconds", "min_rows"))
-    consumer, lease = b.pop("consumer", None), b.pop("lease_seconds", None)
-    request = ClaimRequest.from_json(b)
-    return s.claim_many([request], consumer=consumer, lease_seconds=lease)
+    body = wire.parse_claim_body(b)
+    return s.claim_many(body.requests, consumer=body.consumer, lease_seconds=body.lease_seconds)
 
 
 def _claim(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return claim_results(_claim_one(s, b))
+    return wire.claim_results(_claim_one(s, b))
 
 
 def claim_stream_table(s: EmbeddedStore, b: dict[str, Any]) -> pa.Table:
@@ -95,40 +54,30 @@ def claim_stream_table(s: EmbeddedStore, b: dict[str, Any]) -> pa.Table:
     in the table's claim schema, the claim's id, consumer and lease expiry in the schema's
     metadata (an empty claim: no rows, ``expstore.claim_id`` empty). Served as a record-batch
     stream, its buffers go to the client as they are: no IPC message built into a gRPC one."""
-    claim = _claim_one(s, b)
-    table = claim.data
-    metadata = dict(table.schema.metadata or {})
-    metadata.update({CLAIM_ID_KEY: claim.claim_id.encode(), CONSUMER_KEY: claim.consumer.encode(),
-                     EXPIRES_AT_KEY: json.dumps(claim.expires_at).encode()})
-    return table.replace_schema_metadata(metadata)
+    return wire.claim_stream_table(_claim_one(s, b))
 
 
 def _claim_many(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    check_fields(b, "claim_many", ("requests",), ("consumer", "lease_seconds"))
-    if not isinstance(b["requests"], list):
-        raise InvalidArgument("claim_many 'requests' must be a list of claim requests")
-    requests = [ClaimRequest.from_json(r) for r in b["requests"]]
-    return claim_results(s.claim_many(requests, consumer=b.get("consumer"),
-                                      lease_seconds=b.get("lease_seconds")))
+    body = wire.parse_claim_many_body(b)
+    return wire.claim_results(s.claim_many(body.requests, consumer=body.consumer,
+                                           lease_seconds=body.lease_seconds))
 
 
 def _ack(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return s.ack(check_fields(b, "ack", ("claim_id",))["claim_id"])
+    return s.ack(b["claim_id"])
 
 
 def _nack(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return s.nack(check_fields(b, "nack", ("claim_id",))["claim_id"])
+    return s.nack(b["claim_id"])
 
 
 def _bump(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    check_fields(b, "bump_version", ("table",), ("expected", "weights_uri"))
     version = s.bump_version(b["table"], expected=b.get("expected"),
                              weights_uri=b.get("weights_uri"))
     return {"table": b["table"], "version": version, "weights_uri": b.get("weights_uri")}
 
 
 def _arrive(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    check_fields(b, "arrive", ("tables", "expected"), ("weights_uri", "timeout"))
     tables = b["tables"]
     if not isinstance(tables, list) or not tables or not all(isinstance(t, str) for t in tables):
         raise InvalidArgument(f"arrive 'tables' {tables!r} is not a list of table names")
@@ -138,12 +87,11 @@ def _arrive(s: EmbeddedStore, b: dict[str, Any]) -> Any:
 
 
 def _set_barrier_timeout(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    check_fields(b, "set_barrier_timeout", ("table", "seconds"))
     return {"table": b["table"], "seconds": s.set_barrier_timeout(b["table"], b["seconds"])}
 
 
 def _barrier(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return s.barrier(check_fields(b, "barrier", ("table",))["table"])
+    return s.barrier(b["table"])
 
 
 def _wait_seconds(b: dict[str, Any], action: str) -> float:
@@ -156,7 +104,6 @@ def _wait_seconds(b: dict[str, Any], action: str) -> float:
 
 
 def _get_version(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    check_fields(b, "get_version", ("table",))
     return {"table": b["table"], "version": s.get_version(b["table"]),
             "weights_uri": s.weights_uri(b["table"])}
 
@@ -165,7 +112,6 @@ MAX_WAIT_SECONDS = 300.0
 
 
 def _wait_version(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    check_fields(b, "wait_version", ("table", "min_version"), ("timeout",))
     timeout = _wait_seconds(b, "wait_version")
     min_version = b["min_version"]
     if not isinstance(min_version, int) or isinstance(min_version, bool):
@@ -176,34 +122,30 @@ def _wait_version(s: EmbeddedStore, b: dict[str, Any]) -> Any:
 
 
 def _stats(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return s.stats(check_fields(b, "stats", (), ("table",)).get("table"))
+    return s.stats(b.get("table"))
 
 
 def _leases(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return s.leases(check_fields(b, "leases", (), ("table",)).get("table"))
+    return s.leases(b.get("table"))
 
 
 def _describe(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return s.describe(check_fields(b, "describe", ("table",))["table"])
+    return s.describe(b["table"])
 
 
 def _list_tables(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    check_fields(b, "list_tables", ())
     return {"tables": s.list_tables()}
 
 
 def _health(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    check_fields(b, "health", ())
     return s.health()
 
 
 def _gc(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    check_fields(b, "gc", ())
     return s.gc()
 
 
 def _checkpoint(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    check_fields(b, "checkpoint", ())
     s.checkpoint()
     return {"checkpoint": True}
 
@@ -249,22 +191,6 @@ ACTIONS: dict[str, ActionSpec] = {a.name: a for a in [
 ]}
 
 
-def action_results(result: Any) -> list[bytes]:
-    """A handler's answer as the results of a call: raw parts as they are, anything else as
-    one JSON document."""
-    if isinstance(result, list) and result and all(isinstance(r, bytes) for r in result):
-        return result
-    return [json.dumps(result, default=str).encode()]
-
-
-def parse_body(raw: bytes, action: str) -> dict[str, Any]:
-    if not raw:
-        return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise InvalidArgument(f"body of action {action!r} is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise InvalidArgument(f"body of action {action!r} must be a JSON object, got "
-                              f"{type(body).__name__}")
-    return body
+def run_action(spec: ActionSpec, store: EmbeddedStore, body: dict[str, Any]) -> list[bytes]:
+    """Run an action on a decoded body: its fields checked, its answer encoded as results."""
+    return wire.results_bytes(spec.handler(store, wire.check_body(spec.name, body)))

@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent.futures import Future
@@ -22,9 +21,9 @@ from store.errors import ExpstoreError, InvalidArgument, StoreClosed, Unavailabl
 from store.prepare import to_arrow_table
 from store.schema import TableDef
 
-from .errors import from_flight
-from .framing import CLAIM_ID_KEY, CONSUMER_KEY, EXPIRES_AT_KEY
+from . import wire
 from .session_client import Answer, SessionChannel, json_answer
+from .wire.errors import from_flight
 
 if TYPE_CHECKING:
     from .subscriber import RemoteSubscription
@@ -115,13 +114,12 @@ class RemoteStore:
     def _action(self, name: str, body: dict[str, Any] | None = None,
                 timeout: float | None = -1.0) -> list[bytes]:
         with self._calls():
-            results = self._client.do_action(
-                flight.Action(name, json.dumps(body or {}).encode()), self._options(timeout))
+            results = self._client.do_action(wire.action(name, body), self._options(timeout))
             return [r.body.to_pybytes() for r in results]
 
     def _json(self, name: str, body: dict[str, Any] | None = None,
               timeout: float | None = -1.0) -> Any:
-        return json.loads(self._action(name, body, timeout)[0])
+        return wire.json_result(self._action(name, body, timeout), name)
 
     # -- tables --------------------------------------------------------------------------------
     def create_table(self, name: str, columns: Mapping[str, Any], *, if_not_exists: bool = False,
@@ -149,8 +147,7 @@ class RemoteStore:
     def _tdef(self, name: str) -> TableDef:
         tdef = self._defs.get(name)
         if tdef is None:
-            d = self.describe(name)
-            tdef = TableDef.from_json(json.dumps(d))
+            tdef = wire.table_def(self.describe(name))
             self._defs[name] = tdef
         return tdef
 
@@ -217,7 +214,7 @@ class RemoteStore:
         with pa.ipc.new_stream(sink, arrow.schema) as w:
             w.write_table(arrow)
         return json_answer(channel.call("put", {"table": table},
-                                        [sink.getvalue().to_pybytes()]))
+                                        [sink.getvalue().to_pybytes()]), "put")
 
     def put_batches(self, table: str, batches: list[pa.RecordBatch], schema: pa.Schema,
                     *, timeout: float | None = -1.0) -> list[dict[str, Any]]:
@@ -234,7 +231,7 @@ class RemoteStore:
                     buf = meta.read()
                     if buf is None:
                         break
-                    answers.append(json.loads(buf.to_pybytes()))
+                    answers.append(wire.parse_put_answer(buf.to_pybytes()))
             finally:
                 writer.close()
         if not answers:
@@ -271,12 +268,8 @@ class RemoteStore:
 
     def _claim_streamed(self, request: ClaimRequest, consumer: str | None,
                         lease_seconds: float | None) -> Claim:
-        body = _request_json(request)
-        if consumer is not None:
-            body["consumer"] = consumer
-        if lease_seconds is not None:
-            body["lease_seconds"] = lease_seconds
-        ticket = flight.Ticket(json.dumps({"claim": body}).encode())
+        body = wire.claim_body(request, consumer, lease_seconds)
+        ticket = flight.Ticket(wire.ClaimTicket(body).encode())
         try:
             with self._calls():
                 data = self._client.do_get(ticket, self._options()).read_all()
@@ -286,12 +279,12 @@ class RemoteStore:
             self._claim_streams = False  # a server from before claim streams: the session
             return self.claim_many([request], consumer=consumer, lease_seconds=lease_seconds)
         self._claim_streams = True
-        return _claim_from_stream(request.table, data)
+        return wire.claim_of_stream(request.table, data)
 
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:
-        body = claim_many_body(requests, consumer, lease_seconds)
-        claim = _claim_from_results(self._fast("claim_many", body).result(self._timeout))
+        body = wire.claim_many_body(requests, consumer, lease_seconds)
+        claim = wire.claim_of_results(self._fast("claim_many", body).result(self._timeout))
         return claim if claim.claim_id else self._empty_claim(claim, requests)
 
     def _empty_claim(self, claim: Claim, requests: list[ClaimRequest]) -> Claim:
@@ -310,11 +303,11 @@ class RemoteStore:
     def ack_async(self, claim_id: str) -> Future:
         """:meth:`ack` without waiting: the Future resolves to its answer once it is durable
         (a trainer can claim its next micro-batch meanwhile), or raises what ack would."""
-        return json_answer(self._fast("ack", {"claim_id": claim_id}))
+        return json_answer(self._fast("ack", {"claim_id": claim_id}), "ack")
 
     def nack_async(self, claim_id: str) -> Future:
         """:meth:`nack` without waiting (see :meth:`ack_async`)."""
-        return json_answer(self._fast("nack", {"claim_id": claim_id}))
+        return json_answer(self._fast("nack", {"claim_id": claim_id}), "nack")
 
     def _fast(self, name: str, body: dict[str, Any]) -> Answer:
         """Send a hot-path request on the session stream (a do_action call where the server
@@ -401,14 +394,9 @@ class RemoteStore:
     # -- SQL and stats -------------------------------------------------------------------------
     def query(self, sql: str, params: list[Any] | None = None, *,
               timeout: float | None = None) -> pa.Table:
-        ticket: dict[str, Any] = {"sql": check_sql_text(sql)}
-        if params is not None:
-            ticket["params"] = list(params)
-        if timeout is not None:
-            ticket["timeout"] = timeout
+        ticket = wire.SqlTicket(check_sql_text(sql), params, timeout)
         with self._calls():
-            reader = self._client.do_get(flight.Ticket(json.dumps(ticket).encode()),
-                                         self._options())
+            reader = self._client.do_get(flight.Ticket(ticket.encode()), self._options())
             return reader.read_all()
 
     def stats(self, table: str | None = None) -> dict[str, Any]:
@@ -459,25 +447,6 @@ def _type_spelling(value: Any) -> Any:
     return value
 
 
-def _request_json(r: ClaimRequest) -> dict[str, Any]:
-    d: dict[str, Any] = {"table": r.table, "limit": r.limit, "min_rows": r.min_rows}
-    for key in ("where", "group_by", "group_size"):
-        if getattr(r, key) is not None:
-            d[key] = getattr(r, key)
-    return d
-
-
-def claim_many_body(requests: list[ClaimRequest], consumer: str | None,
-                    lease_seconds: float | None) -> dict[str, Any]:
-    """The ``claim_many`` action's body (docs/protocol.md)."""
-    body: dict[str, Any] = {"requests": [_request_json(r) for r in requests]}
-    if consumer is not None:
-        body["consumer"] = consumer
-    if lease_seconds is not None:
-        body["lease_seconds"] = lease_seconds
-    return body
-
-
 def _answered(call: Callable[[], Any]) -> Answer:
     """Run ``call`` now; its result (or store error) as an already resolved Future."""
     done = Answer()
@@ -486,27 +455,6 @@ def _answered(call: Callable[[], Any]) -> Answer:
     except ExpstoreError as e:
         done.set_exception(e)
     return done
-
-
-def _claim_from_stream(table: str, data: pa.Table) -> Claim:
-    """A claim answered as a do_get stream: its rows, and the claim in the schema's metadata
-    (taken off, so that the rows' schema is the claim schema, as on the other paths)."""
-    metadata = dict(data.schema.metadata or {})
-    try:
-        claim_id = metadata.pop(CLAIM_ID_KEY).decode()
-        consumer = metadata.pop(CONSUMER_KEY).decode()
-        expires_at = float(json.loads(metadata.pop(EXPIRES_AT_KEY)))
-    except (KeyError, ValueError) as e:
-        raise ExpstoreError(f"malformed claim stream: its schema metadata lacks {e}") from None
-    return Claim(claim_id, consumer, expires_at, {table: data.replace_schema_metadata(metadata)})
-
-
-def _claim_from_results(results: list[bytes]) -> Claim:
-    header = json.loads(results[0])
-    tables: dict[str, pa.Table] = {}
-    for name, body in zip(header["tables"], results[1:]):
-        tables[name] = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
-    return Claim(header["claim_id"], header["consumer"], header["expires_at"], tables)
 
 
 __all__ = ["RemoteStore"]

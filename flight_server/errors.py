@@ -4,7 +4,9 @@ The server raises Flight error types (they reach clients with a clean message an
 that matches: UNAUTHENTICATED, PERMISSION_DENIED, DEADLINE_EXCEEDED, UNAVAILABLE, INTERNAL, and
 FAILED for the rest) and puts the store's error code in ``extra_info`` as JSON, so the Python
 client rebuilds the exact :mod:`store.errors` class and raw Flight clients can branch on
-``extra_info`` instead of message text.
+``extra_info`` instead of message text. How a code travels is the wire's
+(:mod:`flight_server.wire.errors`); what this boundary adds is the policy: unexpected failures
+are logged and become ``internal``, bad-input exceptions become ``invalid_argument``.
 
 Messages are bounded here too: they echo what the caller sent (a table name, a claim id, an action
 name, a descriptor), and gRPC carries a Flight error's message and ``extra_info`` in its
@@ -14,7 +16,6 @@ longer one the whole error. Each echoed run keeps its first characters and state
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import re
 from contextlib import contextmanager
@@ -25,16 +26,9 @@ import pyarrow.flight as flight
 
 from store import errors as E
 
-log = logging.getLogger("expstore.flight")
+from .wire.errors import flight_error, from_flight
 
-_FLIGHT_TYPE: dict[type[E.ExpstoreError], type[flight.FlightError]] = {
-    E.Unauthenticated: flight.FlightUnauthenticatedError,
-    E.PermissionDenied: flight.FlightUnauthorizedError,
-    E.QueryTimeout: flight.FlightTimedOutError,
-    E.StoreClosed: flight.FlightUnavailableError,
-    E.Unavailable: flight.FlightUnavailableError,
-    E.StorageError: flight.FlightInternalError,
-}
+log = logging.getLogger("expstore.flight")
 
 #: Characters kept of one echoed run of the caller's input (a run without spaces or quotes).
 MAX_ECHO_CHARS = 200
@@ -80,11 +74,7 @@ def to_flight(error: BaseException) -> flight.FlightError:
     if not isinstance(error, E.ExpstoreError):
         log.exception("internal error", exc_info=error)
         error = E.ExpstoreError(f"internal error: {type(error).__name__}: {error}")
-    error = _bounded(error)
-    kind = next((t for c, t in _FLIGHT_TYPE.items() if isinstance(error, c)),
-                flight.FlightServerError)
-    info = json.dumps({"code": error.code}).encode()
-    return kind(f"[{error.code}] {error}", extra_info=info)
+    return flight_error(_bounded(error))
 
 
 def as_store_error(error: BaseException) -> E.ExpstoreError:
@@ -113,28 +103,4 @@ def flight_errors() -> Iterator[None]:
         raise to_flight(as_store_error(e)) from None
 
 
-def from_flight(error: BaseException) -> BaseException:
-    """The :mod:`store.errors` exception for a Flight error received by a client."""
-    code = None
-    extra = getattr(error, "extra_info", None)
-    if extra:
-        try:
-            code = json.loads(bytes(extra)).get("code")
-        except (ValueError, AttributeError):
-            code = None
-    message = str(error).split(". Detail:")[0]
-    if code is not None and message.startswith(f"[{code}] "):
-        message = message[len(code) + 3:]
-    if code in E.ERROR_CLASSES:
-        return E.ERROR_CLASSES[code](message)
-    if isinstance(error, flight.FlightUnauthenticatedError):
-        return E.Unauthenticated(message)
-    if isinstance(error, flight.FlightUnauthorizedError):
-        return E.PermissionDenied(message)
-    if isinstance(error, flight.FlightUnavailableError):
-        return E.Unavailable(message)
-    if isinstance(error, flight.FlightTimedOutError):
-        return E.QueryTimeout(message)
-    if isinstance(error, pa.ArrowInvalid):
-        return E.InvalidArgument(message)
-    return E.ExpstoreError(message)
+__all__ = ["as_store_error", "bound_message", "flight_errors", "from_flight", "to_flight"]

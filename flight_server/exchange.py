@@ -20,7 +20,6 @@ batch of :data:`MULTI_SCHEMA`: one row per table, with that table's rows as an A
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import queue
 import threading
@@ -32,81 +31,47 @@ import pyarrow.flight as flight
 
 from store.embedded import EmbeddedStore
 from store.errors import ExpstoreError, InvalidArgument, Unavailable
-from store.ipc import ipc_stream
 from store.subscription import MicroBatch, Subscription
 
+from . import wire
 from .auth import Principal
 from .errors import as_store_error
+from .wire.subscribe import CLOSING, ClientMessage, MicroBatchMeta, error_reply, hello, \
+    message, multi_batch, reply
 
 log = logging.getLogger("expstore.exchange")
 
 # Queued by an ack's Future once it is done: the loop sends the answers that are ready.
-_SETTLED = {"type": "_settled"}
-
-SUBSCRIBE_FIELDS = {"table", "tables", "micro_batch_size", "global_batch_size", "where",
-                    "group_by", "group_size", "consumer", "max_in_flight", "lease_seconds"}
+_SETTLED = ClientMessage("_settled")
 #: The stream schema of a subscription over several tables: a row per table of a micro-batch.
-MULTI_SCHEMA = pa.schema([pa.field("table", pa.string(), nullable=False),
-                          pa.field("rows", pa.binary(), nullable=False)])
+MULTI_SCHEMA = wire.MULTI_SCHEMA
 #: Seconds a bump waits on the barrier between two looks at the server's shutdown.
 ARRIVE_STEP = 1.0
 
 
-def parse_subscribe(command: bytes) -> dict[str, Any]:
-    try:
-        doc = json.loads(command)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise InvalidArgument(f"do_exchange command is not valid JSON: {e}") from e
-    sub = doc.get("subscribe") if isinstance(doc, dict) else None
-    if not isinstance(sub, dict):
-        raise InvalidArgument("do_exchange command must be {\"subscribe\": {table, "
-                              "micro_batch_size, global_batch_size, …}}")
-    extra = set(sub) - SUBSCRIBE_FIELDS
-    if extra:
-        raise InvalidArgument(f"subscribe has unknown fields {sorted(extra)}; expected "
-                              f"{sorted(SUBSCRIBE_FIELDS)}")
-    if ("table" in sub) == ("tables" in sub):
-        raise InvalidArgument("subscribe needs 'table' (one table) or 'tables' (a list), not "
-                              "both")
-    if "tables" in sub:
-        tables = sub.pop("tables")
-        if not isinstance(tables, list) or not tables or \
-                not all(isinstance(t, str) for t in tables):
-            raise InvalidArgument(f"subscribe 'tables' {tables!r} is not a list of table names")
-        sub["table"] = tables if len(tables) > 1 else tables[0]
-    for required in ("micro_batch_size", "global_batch_size"):
-        if required not in sub:
-            raise InvalidArgument(f"subscribe needs {required!r}")
-    return sub
-
-
-def _error(request: Any, error: ExpstoreError) -> dict[str, Any]:
-    e = as_store_error(error)  # its message bounded, like every error a client is told of
-    return {"type": "error", "request": request, "code": e.code, "message": str(e)}
-
-
-def _meta(doc: dict[str, Any]) -> pa.Buffer:
-    return pa.py_buffer(json.dumps(doc).encode())
+def _error(request: Any, error: BaseException, fatal: bool = False) -> dict[str, Any]:
+    # its message bounded, like every error a client is told of
+    return error_reply(request, as_store_error(error), fatal)
 
 
 class ExchangeSession:
-    def __init__(self, store: EmbeddedStore, principal: Principal, options: dict[str, Any],
+    def __init__(self, store: EmbeddedStore, principal: Principal,
+                 options: wire.SubscribeOptions,
                  reader: flight.MetadataRecordBatchReader,
                  writer: flight.MetadataRecordBatchWriter,
                  stopping: threading.Event | None = None) -> None:
         self._store = store
         self._stopping = stopping or threading.Event()
         self._principal = principal
-        table = options.pop("table")
-        self._sub = Subscription(store, table, options.pop("micro_batch_size"),
-                                 options.pop("global_batch_size"), **options)
+        self._sub = Subscription(store, options.target, options.micro_batch_size,
+                                 options.global_batch_size, **options.options)
         self._reader = reader
         self._writer = writer
-        self._inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._inbox: queue.Queue[ClientMessage | None] = queue.Queue()
         # A message _wait_for_message took out of the inbox, handled before the inbox's next:
         # putting it back would queue it behind any message that arrived meanwhile (an ack
         # behind the bump sent after it).
-        self._held: list[dict[str, Any] | None] = []
+        self._held: list[ClientMessage | None] = []
         # Answers in message order: a reply, or an ack's Future and the reply's header.
         self._answers: collections.deque[tuple[dict[str, Any], Future | None]] = \
             collections.deque()
@@ -117,10 +82,8 @@ class ExchangeSession:
     def run(self) -> None:
         multi = len(self._sub.tables) > 1
         self._writer.begin(MULTI_SCHEMA if multi else self._store.claim_schema(self._sub.table))
-        hello = {"type": "subscribed", "table": self._sub.table, "version": self._sub.version}
-        if multi:
-            hello["tables"] = self._sub.tables
-        self._writer.write_metadata(_meta(hello))
+        self._writer.write_metadata(hello(self._sub.table, self._sub.version,
+                                          self._sub.tables if multi else None))
         thread = threading.Thread(target=self._read_client, name="expstore-exchange-reader",
                                   daemon=True)
         thread.start()
@@ -158,14 +121,14 @@ class ExchangeSession:
         """The server is shutting down: ask the client to end its side of the stream (our
         reader thread, and so this handler, can only finish once it does)."""
         try:
-            self._writer.write_metadata(_meta({"type": "closing", "request": None}))
+            self._writer.write_metadata(message(CLOSING))
         except Exception as e:  # noqa: BLE001 - the client is gone: its stream ends anyway
             log.debug("could not announce the shutdown: %s", e)
 
     def _fail(self, error: ExpstoreError) -> None:
         """Tell the client the subscription failed, then wait for it to end the stream."""
         try:
-            self._writer.write_metadata(_meta({**_error(None, error), "fatal": True}))
+            self._writer.write_metadata(message(_error(None, error, fatal=True)))
         except Exception as e:  # noqa: BLE001 - the client is gone: its stream ends anyway
             log.debug("could not report the subscription error: %s", e)
 
@@ -176,11 +139,7 @@ class ExchangeSession:
                 chunk = self._reader.read_chunk()
                 if chunk.app_metadata is None:
                     continue
-                try:
-                    msg = json.loads(chunk.app_metadata.to_pybytes())
-                except (ValueError, RecursionError):
-                    msg = {"type": "invalid"}
-                self._inbox.put(msg if isinstance(msg, dict) else {"type": "invalid"})
+                self._inbox.put(ClientMessage.decode(chunk.app_metadata.to_pybytes()))
                 self._store.wake()
         except StopIteration:
             pass
@@ -207,7 +166,7 @@ class ExchangeSession:
                     msg = self._inbox.get_nowait()
                 except queue.Empty:
                     return
-            if msg is None or msg.get("type") == "close":
+            if msg is None or msg.type == "close":
                 self._send_answers(wait=True)
                 self._done = True
                 return
@@ -218,46 +177,45 @@ class ExchangeSession:
     def _send_answers(self, wait: bool = False) -> None:
         """Send the answers that are ready, in message order (``wait``: all of them)."""
         while self._answers:
-            reply, future = self._answers[0]
+            answer, future = self._answers[0]
             if future is not None:
                 if not (wait or future.done()):
                     return
                 try:
-                    reply = {**reply, **future.result()}
+                    answer = {**answer, **future.result()}
                 except Exception as e:  # noqa: BLE001 - a failed commit: the client gets it
-                    reply = _error(reply["request"], as_store_error(e))
+                    answer = _error(answer["request"], e)
             self._answers.popleft()
-            self._writer.write_metadata(_meta(reply))
+            self._writer.write_metadata(message(answer))
 
     def _settled(self, _: Future) -> None:
         self._inbox.put(_SETTLED)
         self._store.wake()
 
-    def _answer(self, msg: dict[str, Any]) -> tuple[dict[str, Any], Future | None]:
+    def _answer(self, msg: ClientMessage) -> tuple[dict[str, Any], Future | None]:
         """Handle one message: its reply, or for an ack the reply's header and the Future that
         completes it."""
-        kind = msg.get("type")
-        request = msg.get("request")
+        kind = msg.type
+        request = msg.request
         try:
             if kind in ("ack", "nack"):
                 self._principal.require("writer", kind)
-                claim_id = msg.get("claim_id")
+                claim_id = msg.claim_id
                 batch = self._batches.pop(claim_id, None) if isinstance(claim_id, str) else None
                 if batch is None:
                     raise InvalidArgument(f"claim {claim_id!r} is not in flight on this "
                                           "subscription")
                 if kind == "nack":
-                    return {"type": "nacked", "request": request, **batch.nack()}, None
+                    return reply("nacked", request, **batch.nack()), None
                 future = self._sub.ack_async(batch)
                 future.add_done_callback(self._settled)
-                return {"type": "acked", "request": request}, future
+                return reply("acked", request), future
             if kind == "bump":
                 self._principal.require("admin", "bump_version")
-                return {"type": "bumped", "request": request,
-                        "version": self._arrive(msg.get("weights_uri"))}, None
+                return reply("bumped", request, version=self._arrive(msg.weights_uri)), None
             if kind == "resume":
                 self._sub.resume()
-                return {"type": "resumed", "request": request}, None
+                return reply("resumed", request), None
             raise InvalidArgument(f"unknown subscription message type {kind!r}; expected ack, "
                                   "nack, bump, resume or close")
         except ExpstoreError as e:
@@ -294,16 +252,15 @@ class ExchangeSession:
 
     def _send(self, batch: MicroBatch) -> None:
         self._batches[batch.claim_id] = batch
-        meta = {"type": "micro_batch", "claim_id": batch.claim_id, "index": batch.index,
-                "is_boundary": batch.is_boundary, "version": batch.version,
-                "global_batch": batch.global_batch, "rows": batch.num_rows}
-        if len(self._sub.tables) > 1:
-            meta["tables"] = {name: t.num_rows for name, t in batch.tables.items()}
-            record = pa.record_batch([pa.array(list(batch.tables), pa.string()),
-                                      pa.array([ipc_stream(t) for t in batch.tables.values()],
-                                               pa.binary())], schema=MULTI_SCHEMA)
+        multi = len(self._sub.tables) > 1
+        meta = MicroBatchMeta(batch.claim_id, batch.index, batch.is_boundary, batch.version,
+                              batch.global_batch, batch.num_rows,
+                              {name: t.num_rows for name, t in batch.tables.items()}
+                              if multi else None)
+        if multi:
+            record = multi_batch(batch.tables)
         else:
             data = batch.data
             record = (data.combine_chunks().to_batches()[0] if data.num_rows
                       else pa.RecordBatch.from_pylist([], schema=data.schema))
-        self._writer.write_with_metadata(record, _meta(meta))
+        self._writer.write_with_metadata(record, meta.encode())

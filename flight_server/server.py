@@ -16,7 +16,6 @@ Verbs (the wire contract is docs/protocol.md):
 """
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -30,12 +29,13 @@ import pyarrow.flight as flight
 from store.embedded import EmbeddedStore
 from store.errors import InvalidArgument, NotFound, Unavailable
 
-from .actions import ACTIONS, action_results, claim_stream_table, parse_body
+from . import wire
+from .actions import ACTIONS, claim_stream_table, run_action
 from .auth import AuthMiddlewareFactory, Principal, load_tokens, principal_of
 from .errors import flight_errors, to_flight
-from .exchange import ExchangeSession, parse_subscribe
+from .exchange import ExchangeSession
 from .metrics import Metrics
-from .session import ActionSession, is_session
+from .session import ActionSession
 
 log = logging.getLogger("expstore.server")
 
@@ -47,7 +47,6 @@ log = logging.getLogger("expstore.server")
 # batches (tens of MB each) from holding gigabytes (wide unchanged); one batch always goes.
 PUT_PIPELINE = 32
 PUT_PIPELINE_BYTES = 128 << 20
-MAX_TICKET_BYTES = 1 << 20
 
 
 class ExpstoreFlightServer(flight.FlightServerBase):
@@ -130,7 +129,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
     def _flight_info(self, table: str) -> flight.FlightInfo:
         schema = self.store.write_schema(table)
         descriptor = flight.FlightDescriptor.for_path(table)
-        ticket = flight.Ticket(json.dumps({"sql": f'SELECT * FROM "{table}"'}).encode())
+        ticket = flight.Ticket(wire.table_ticket(table))
         endpoint = flight.FlightEndpoint(ticket, [])
         return flight.FlightInfo(schema, descriptor, [endpoint], -1, -1)
 
@@ -235,37 +234,19 @@ class ExpstoreFlightServer(flight.FlightServerBase):
                 return self.flight_sql.do_get(context, ticket)
         principal = self._principal(context, "reader", "do_get")
         with flight_errors():
-            doc = _ticket_document(ticket.ticket)
-        if isinstance(doc, dict) and "claim" in doc:
+            doc = wire.ticket_document(ticket.ticket)
+        if wire.is_claim_ticket(doc):
             return self._claim_stream(principal, doc)
         with flight_errors(), self.metrics.timed("do_get"):
-            if not isinstance(doc, dict) or not isinstance(doc.get("sql"), str):
-                raise InvalidArgument("ticket must be a JSON object {\"sql\": \"SELECT …\", "
-                                      "\"params\"?: [...], \"timeout\"?: seconds} or "
-                                      "{\"claim\": {<claim body>}}")
-            extra = set(doc) - {"sql", "params", "timeout"}
-            if extra:
-                raise InvalidArgument(f"ticket has unknown fields {sorted(extra)}")
-            timeout = doc.get("timeout")
-            if timeout is not None and (not isinstance(timeout, (int, float))
-                                        or isinstance(timeout, bool)
-                                        or not 0 < timeout <= self.store.query_timeout):
-                raise InvalidArgument(f"ticket timeout {timeout!r} is invalid; expected seconds "
-                                      f"in (0, {self.store.query_timeout}]")
-            result = self.store.query(doc["sql"], doc.get("params"), timeout=timeout)
+            sql = wire.sql_ticket(doc, self.store.query_timeout)
+            result = self.store.query(sql.sql, sql.params, timeout=sql.timeout)
             return flight.RecordBatchStream(result)
 
     def _claim_stream(self, principal: Principal, doc: dict[str, Any]) -> flight.FlightDataStream:
         """A ticket ``{"claim": {<claim body>}}``: the claim action, answered as a stream."""
         with flight_errors(), self.metrics.timed("claim"):
             principal.require("writer", "do_get claim")
-            if set(doc) != {"claim"}:
-                raise InvalidArgument(f"a claim ticket is {{\"claim\": {{…}}}} alone; it has "
-                                      f"unknown fields {sorted(set(doc) - {'claim'})}")
-            body = doc["claim"]
-            if not isinstance(body, dict):
-                raise InvalidArgument(f"a claim ticket's claim must be a JSON object (the claim "
-                                      f"action's body), got {type(body).__name__}")
+            body = wire.claim_ticket(doc).body
             return flight.RecordBatchStream(claim_stream_table(self.store, body))
 
     # -- subscriptions --------------------------------------------------------------------------
@@ -275,7 +256,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
                     writer: flight.MetadataRecordBatchWriter) -> None:
         command = descriptor.command \
             if descriptor.descriptor_type == flight.DescriptorType.CMD else b""
-        if is_session(command):
+        if wire.is_session(command):
             # each request on a session is checked against its own action's role
             self._serve_session(self._principal(context, "reader", "do_exchange"), reader,
                                 writer)
@@ -285,7 +266,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
             if descriptor.descriptor_type != flight.DescriptorType.CMD:
                 raise InvalidArgument("do_exchange expects FlightDescriptor.for_command("
                                       "'{\"subscribe\": {…}}') or '{\"session\": {}}'")
-            options = parse_subscribe(command)
+            options = wire.parse_subscribe(command)
             session = ExchangeSession(self.store, principal, options, reader, writer,
                                       self._stopping)
         try:
@@ -331,8 +312,9 @@ class ExpstoreFlightServer(flight.FlightServerBase):
                                      f"{sorted(ACTIONS)}"))
         self._principal(context, spec.role, action.type)
         with flight_errors(), self.metrics.timed(action.type):
-            body = parse_body(action.body.to_pybytes() if action.body else b"", action.type)
-            out = action_results(spec.handler(self.store, body))
+            body = wire.parse_body(action.body.to_pybytes() if action.body else b"",
+                                   action.type)
+            out = run_action(spec, self.store, body)
         yield from out
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -372,17 +354,6 @@ class ExpstoreFlightServer(flight.FlightServerBase):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _ticket_document(raw: bytes) -> Any:
-    """A do_get ticket's JSON document."""
-    if len(raw) > MAX_TICKET_BYTES:
-        raise InvalidArgument(f"ticket of {len(raw)} bytes is larger than {MAX_TICKET_BYTES}")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise InvalidArgument(f"ticket is not valid JSON: {e}; expected "
-                              "{\"sql\": \"SELECT …\"} or {\"claim\": {…}}") from e
 
 
 # Batches of at least this many bytes are prepared on _PREPARE_POOL, while the next batch is
@@ -458,23 +429,22 @@ class _PutAnswers:
             try:
                 result = future.result()
                 if self._failure is None:
-                    self._write({"batch": index, **result})
+                    self._write(wire.put_answer(index, result))
             except BaseException as e:  # noqa: BLE001 - handed to the handler's thread
                 if self._failure is None:
                     self._failure = e
                     # The handler's thread only raises this once it reads the client's next
                     # message; a client waiting for this batch's answer learns of it now.
-                    self._write({"batch": index, "error": {
-                        "code": getattr(e, "code", "internal"), "message": str(e)}})
+                    self._write(wire.put_error_answer(index, e))
             finally:
                 with self._room:
                     self._in_flight -= 1
                     self._in_flight_bytes -= nbytes
                     self._room.notify()
 
-    def _write(self, answer: dict[str, Any]) -> None:
+    def _write(self, answer: bytes) -> None:
         try:
-            self._writer.write(pa.py_buffer(json.dumps(answer, default=str).encode()))
+            self._writer.write(pa.py_buffer(answer))
         except (pa.ArrowException, OSError) as e:  # the client went away
             self.client_gone(ClientGone(f"an answer could not be written: {e}"))
 

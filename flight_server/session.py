@@ -24,10 +24,10 @@ their commit is durable, from another thread, so a claim sent after an ack does 
 ack's fsync: answers can overtake each other, and clients match them by ``id``. One thread writes
 those answers for every session (:class:`_DurableAnswers`). When the server
 shuts down it sends ``{"id": null, "closing": true}`` and the client ends its side of the stream.
+The messages are encoded and decoded by :mod:`flight_server.wire.session`.
 """
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -41,11 +41,12 @@ import pyarrow.flight as flight
 from store.embedded import EmbeddedStore
 from store.errors import InvalidArgument
 
-from .actions import ACTIONS, action_results, check_fields
+from . import wire
+from .actions import ACTIONS, run_action
 from .auth import Principal
 from .errors import as_store_error
-from .framing import frame, split_parts
 from .metrics import Metrics
+from .wire.session import SessionRequest, answer, closing, error_answer
 
 log = logging.getLogger("expstore.session")
 
@@ -100,31 +101,6 @@ class _DurableAnswers:
 _DURABLE = _DurableAnswers()
 
 
-def is_session(command: bytes) -> bool:
-    """Whether a ``do_exchange`` command opens an action session (``{"session": {…}}``)."""
-    try:
-        doc = json.loads(command)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return False
-    return isinstance(doc, dict) and "session" in doc
-
-
-def parse_request(raw: bytes) -> tuple[dict[str, Any], list[bytes]]:
-    """A request message: its JSON header, and the parts after it that ``sizes`` names."""
-    head, _, rest = raw.partition(b"\n")
-    try:
-        request = json.loads(head)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        try:  # a header written over several lines, with no parts
-            request, rest = json.loads(raw), b""
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            raise InvalidArgument(f"a session request must be a JSON object {{id, action, body}}"
-                                  f" on one line, then its parts; {e}") from None
-    if not isinstance(request, dict):
-        raise InvalidArgument("a session request must be a JSON object {id, action, body}")
-    return request, split_parts(request.get("sizes", []), rest)
-
-
 def read_rows(parts: list[bytes]) -> pa.Table:
     """The rows of a put request: its one part, an Arrow IPC stream."""
     if len(parts) != 1:
@@ -138,8 +114,7 @@ def read_rows(parts: list[bytes]) -> pa.Table:
 
 
 def error_frame(request_id: Any, error: BaseException) -> pa.Buffer:
-    e = as_store_error(error)
-    return frame({"id": request_id, "error": {"code": e.code, "message": str(e)}})
+    return error_answer(request_id, as_store_error(error))
 
 
 class ActionSession:
@@ -191,23 +166,15 @@ class ActionSession:
 
     def close(self) -> None:
         """The server is shutting down: ask the client to end the stream."""
-        self._write(frame({"id": None, "closing": True}))
+        self._write(closing())
 
     def _handle(self, raw: bytes) -> None:
         request_id = None
         try:
-            request, parts = parse_request(raw)
-            request_id = request.get("id")
-            name, body = request.get("action"), request.get("body", {})
-            if name not in SESSION_ACTIONS:
-                raise InvalidArgument(f"action {name!r} is not served on a session; session "
-                                      f"actions: {list(SESSION_ACTIONS)} (use do_action for the "
-                                      "others)")
-            if not isinstance(body, dict):
-                raise InvalidArgument(f"session request body must be a JSON object, got "
-                                      f"{type(body).__name__}")
-            if name != "put" and parts:
-                raise InvalidArgument(f"a {name!r} request carries no parts; got {len(parts)}")
+            request = SessionRequest.decode(raw)
+            request_id = request.id
+            request.check(SESSION_ACTIONS)
+            name, body, parts = request.action, request.body, request.parts
             if name in DURABLE_ACTIONS:
                 started = time.perf_counter()
                 future = self._start_write(name, body, parts)
@@ -219,8 +186,8 @@ class ActionSession:
             spec = ACTIONS[name]
             self._principal.require(spec.role, name)
             with self._metrics.timed(name):
-                answer = action_results(spec.handler(self._store, body))
-            self._write(frame({"id": request_id}, answer))
+                results = run_action(spec, self._store, body)
+            self._write(answer(request_id, results))
         except Exception as e:  # noqa: BLE001 - every request gets an answer, errors included
             self._write(error_frame(request_id, e))
 
@@ -228,12 +195,12 @@ class ActionSession:
         """Queue a put, ack or nack; its Future resolves once the write is durable."""
         if name == "put":
             self._principal.require("writer", name)
-            table = check_fields(body, name, ("table",))["table"]
+            table = wire.check_body(name, body)["table"]
             if not isinstance(table, str):
                 raise InvalidArgument(f"put's table must be a string, got {table!r}")
             return self._store.put_async(table, read_rows(parts))
         self._principal.require(ACTIONS[name].role, name)
-        claim_id = check_fields(body, name, ("claim_id",))["claim_id"]
+        claim_id = wire.check_body(name, body)["claim_id"]
         settle = EmbeddedStore.ack_async if name == "ack" else EmbeddedStore.nack_async
         return settle(self._store, claim_id)
 
@@ -242,7 +209,7 @@ class ActionSession:
         and another thread is writing to the stream."""
         request_id, name, started, future = item
         try:
-            message = frame({"id": request_id}, action_results(future.result()))
+            message = answer(request_id, wire.results_bytes(future.result()))
         except BaseException as e:  # noqa: BLE001 - the client gets the error as the answer
             message = error_frame(request_id, e)
         try:

@@ -7,7 +7,6 @@ left in flight while the next claim goes out.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 from concurrent.futures import Future
@@ -19,12 +18,11 @@ import pyarrow.flight as flight
 
 from store import errors as E
 
-from .errors import from_flight
-from .framing import frame, split_parts
+from . import wire
+from .wire.errors import from_flight
+from .wire.session import SESSION_COMMAND, SessionAnswer, SessionRequest
 
 log = logging.getLogger("expstore.client")
-
-SESSION_COMMAND = b'{"session": {}}'
 
 
 class Answer(Future):
@@ -39,16 +37,19 @@ class Answer(Future):
             raise E.QueryTimeout(f"no answer from the server within {timeout} s") from None
 
 
-def json_answer(answer: Future) -> Answer:
-    """The Future of a one-document answer, decoded."""
+def json_answer(answer: Future, action: str) -> Answer:
+    """The Future of a one-document answer to ``action``, decoded."""
     out = Answer()
 
     def decode(done: Future) -> None:
         error = done.exception()
         if error is not None:
             out.set_exception(error)
-        else:
-            out.set_result(json.loads(done.result()[0]))
+            return
+        try:
+            out.set_result(wire.json_result(done.result(), action))
+        except E.ExpstoreError as e:
+            out.set_exception(e)
 
     answer.add_done_callback(decode)
     return out
@@ -88,7 +89,7 @@ class SessionChannel:
                 raise self._error
             request_id = next(self._ids)
             self._pending[request_id] = future
-            message = frame({"id": request_id, "action": action, "body": body}, parts)
+            message = SessionRequest(request_id, action, body, list(parts)).encode()
             try:
                 self._writer.write_metadata(message)
             except (flight.FlightError, pa.ArrowException, OSError) as e:
@@ -124,22 +125,19 @@ class SessionChannel:
                 log.debug("closing the session stream: %s", e)
 
     def _answer(self, raw: bytes) -> None:
-        head, _, rest = raw.partition(b"\n")
-        header = json.loads(head)
-        if header.get("closing"):
+        answer = SessionAnswer.decode(raw)
+        if answer.closing:
             with self._lock:
                 self._fail_locked(E.Unavailable("the server is shutting down"))
             return
         with self._lock:
-            future = self._pending.pop(header.get("id"), None)
+            future = self._pending.pop(answer.id, None)
         if future is None:  # the caller gave up waiting (timeout)
             return
-        problem = header.get("error")
-        if problem is not None:
-            cls = E.ERROR_CLASSES.get(problem.get("code"), E.ExpstoreError)
-            future.set_exception(cls(problem.get("message", "")))
+        if answer.error is not None:
+            future.set_exception(answer.error)
             return
-        future.set_result(split_parts(header.get("sizes", []), rest))
+        future.set_result(answer.parts)
 
     def _fail_locked(self, error: BaseException) -> None:
         """Fail every request waiting, once, and end our side of the stream (the server then

@@ -9,8 +9,8 @@ micro-batches).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import json
 import queue
 import threading
 from concurrent.futures import Future, TimeoutError as FutureTimeout
@@ -20,12 +20,12 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from store.errors import ERROR_CLASSES, ExpstoreError, InvalidArgument, StoreClosed, \
-    Unavailable
-
+from store.errors import ExpstoreError, InvalidArgument, StoreClosed, Unavailable
 from store.subscription import MicroBatch, rows_of_all
 
-from .errors import from_flight
+from .wire.errors import from_flight
+from .wire.subscribe import ClientMessage, MicroBatchMeta, SubscribeOptions, reply_error, \
+    server_message, tables_of_multi_batch
 
 
 @dataclass
@@ -57,18 +57,21 @@ class RemoteSubscription:
         self.idle_timeout = idle_timeout
         self.max_in_flight = int(options.get("max_in_flight") or 2)
         self._unsettled: set[str] = set()
-        which = {"table": table} if isinstance(table, str) else {"tables": self.tables}
-        command = {"subscribe": {**which, "micro_batch_size": micro_batch_size,
-                                 "global_batch_size": global_batch_size,
-                                 **{k: v for k, v in options.items() if v is not None}}}
-        descriptor = flight.FlightDescriptor.for_command(json.dumps(command).encode())
+        command = SubscribeOptions(table if isinstance(table, str) else self.tables,
+                                   micro_batch_size, global_batch_size, options)
+        descriptor = flight.FlightDescriptor.for_command(command.encode())
         try:
             self._writer, self._reader = remote._client.do_exchange(
                 descriptor, remote._options(None))
             first = self._reader.read_chunk()
         except (flight.FlightError, pa.ArrowException) as e:
             raise from_flight(e) from None
-        hello = json.loads(first.app_metadata.to_pybytes())
+        hello = server_message(first.app_metadata.to_pybytes() if first.app_metadata else None)
+        error = reply_error(hello)
+        if error is not None:
+            raise error
+        if hello.get("type") != "subscribed":
+            raise ExpstoreError(f"malformed subscription hello from the server: {hello!r}")
         self.version = int(hello["version"])
         self.global_batch = 0
         self._batches: queue.Queue[RemoteMicroBatch | BaseException | None] = queue.Queue()
@@ -97,18 +100,19 @@ class RemoteSubscription:
         try:
             while True:
                 chunk = self._reader.read_chunk()
-                meta = json.loads(chunk.app_metadata.to_pybytes()) if chunk.app_metadata else {}
+                meta = server_message(chunk.app_metadata.to_pybytes()
+                                      if chunk.app_metadata else None)
                 if meta.get("type") == "micro_batch":
-                    if "tables" in meta:  # several tables: a row per table, its rows as IPC
-                        tables = {name: pa.ipc.open_stream(rows).read_all() for name, rows in zip(
-                            chunk.data.column(0).to_pylist(), chunk.data.column(1).to_pylist())}
+                    batch = MicroBatchMeta.of(meta)
+                    if batch.tables is not None:  # several tables: a row per table, as IPC
+                        tables = tables_of_multi_batch(chunk.data)
                         data = rows_of_all(tables)
                     else:
                         data = pa.Table.from_batches([chunk.data])
                         tables = {self.table: data}
                     self._batches.put(RemoteMicroBatch(
-                        data, self.table, meta["claim_id"], meta["index"], meta["is_boundary"],
-                        meta["version"], meta["global_batch"], self, tables))
+                        data, self.table, batch.claim_id, batch.index, batch.is_boundary,
+                        batch.version, batch.global_batch, self, tables))
                 elif meta.get("type") == "closing":
                     # The server is shutting down and waits for us to end our side.
                     error = Unavailable("the server is shutting down; subscribe again once it "
@@ -122,8 +126,7 @@ class RemoteSubscription:
                 elif meta.get("type") == "error" and meta.get("fatal"):
                     # The server ended the subscription: next() raises it; close() finishes the
                     # stream, which the server waits for.
-                    error = ERROR_CLASSES.get(str(meta.get("code")), ExpstoreError)(
-                        meta.get("message"))
+                    error = reply_error(meta)
                     break
                 else:
                     request = meta.get("request")
@@ -149,7 +152,7 @@ class RemoteSubscription:
                     future.set_exception(_copy(ended))
             self._batches.put(error)
 
-    def _send(self, msg: dict[str, Any]) -> Future:
+    def _send(self, msg: ClientMessage) -> Future:
         """Send a message; the Future resolves to its answer (or raises its error)."""
         if self._closed:
             raise StoreClosed("the subscription is closed")
@@ -168,14 +171,15 @@ class RemoteSubscription:
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 result.set_exception(e)
                 return
-            if reply.get("type") == "error":
-                result.set_exception(ERROR_CLASSES.get(reply.get("code"), ExpstoreError)(
-                    reply.get("message")))
+            error = reply_error(reply)
+            if error is not None:
+                result.set_exception(error)
             else:
                 result.set_result(reply)
 
         answer.add_done_callback(unwrap)
-        self._outbox.put((json.dumps({**msg, "request": request}).encode(), request))
+        message = dataclasses.replace(msg, request=request)
+        self._outbox.put((message.encode(), request))
         return result
 
     def _send_messages(self) -> None:
@@ -192,13 +196,13 @@ class RemoteSubscription:
                         e, (flight.FlightError, pa.ArrowException)) else e)
         try:
             with self._lock:
-                self._writer.write_metadata(pa.py_buffer(b'{"type": "close"}'))
+                self._writer.write_metadata(pa.py_buffer(ClientMessage("close").encode()))
                 self._writer.done_writing()
         except (flight.FlightError, pa.ArrowException):
             pass
 
-    def _request(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return _answer(self._send(msg), msg["type"])
+    def _request(self, msg: ClientMessage) -> dict[str, Any]:
+        return _answer(self._send(msg), str(msg.type))
 
     # -- the iterator ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[RemoteMicroBatch]:
@@ -233,7 +237,7 @@ class RemoteSubscription:
         return item
 
     def _settle(self, batch: RemoteMicroBatch, kind: str, wait: bool = True) -> Any:
-        answer = self._send({"type": kind, "claim_id": batch.claim_id})
+        answer = self._send(ClientMessage(kind, claim_id=batch.claim_id))
         # The server frees the slot when it handles the message, before any later message.
         self._unsettled.discard(batch.claim_id)
         if kind == "nack":
@@ -251,14 +255,14 @@ class RemoteSubscription:
         # No ANSWER_TIMEOUT here: the barrier may wait for another agent's trainer for as long
         # as the group's barrier timeout (the server answers then); a stream that ends fails
         # this Future at once.
-        answer = self._send({"type": "bump", "weights_uri": weights_uri}).result()
+        answer = self._send(ClientMessage("bump", weights_uri=weights_uri)).result()
         self.version = int(answer["version"])
         self.global_batch += 1
         self._at_boundary = False
         return self.version
 
     def resume(self) -> None:
-        self._request({"type": "resume"})
+        self._request(ClientMessage("resume"))
         self.global_batch += 1
         self._at_boundary = False
 

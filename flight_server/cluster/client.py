@@ -18,7 +18,6 @@ Rows are never handed on with some values missing.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 import sys
@@ -37,8 +36,9 @@ from store.errors import ExpstoreError, InvalidArgument, Unavailable
 from store.types import one_array, parse_type
 from store.subscription import rows_of_all
 
-from ..client import RemoteStore, _claim_from_results, claim_many_body
-from ..errors import from_flight
+from .. import wire
+from ..client import RemoteStore
+from ..wire.errors import from_flight
 from ..subscriber import RemoteSubscription
 from .locations import parse_key, row_keys
 
@@ -199,8 +199,7 @@ class ClusterStore(RemoteStore):
         return arrow
 
     def _put_values(self, location: str, values: pa.Table) -> dict[str, str]:
-        descriptor = flight.FlightDescriptor.for_command(
-            json.dumps({"put": {"replicas": self.replicas}}).encode())
+        descriptor = flight.FlightDescriptor.for_command(wire.put_command(self.replicas))
         client = self._node_client(location)
         try:
             writer, answers = client.do_put(descriptor, values.schema, self._options())
@@ -216,7 +215,7 @@ class ClusterStore(RemoteStore):
             raise from_flight(e) from None
         if answer is None:
             raise Unavailable(f"data node {location} ended the put without an answer")
-        return json.loads(answer.to_pybytes())["chunks"]
+        return wire.chunks_of_answer(answer.to_pybytes())
 
     # -- claims ------------------------------------------------------------------------------------
     def _streams_claims(self, table: str, limit: int) -> bool:
@@ -224,10 +223,10 @@ class ClusterStore(RemoteStore):
 
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:
-        body = claim_many_body(requests, consumer, lease_seconds)
+        body = wire.claim_many_body(requests, consumer, lease_seconds)
         for _ in range(LOST_RETRIES):
             # on the session where there is one (the endpoints come from the directory)
-            claim = _claim_from_results(self._fast("claim_many", body).result(self._timeout))
+            claim = wire.claim_of_results(self._fast("claim_many", body).result(self._timeout))
             if not claim.claim_id:
                 return self._empty_claim(claim, requests)
             try:
@@ -345,8 +344,8 @@ class ClusterStore(RemoteStore):
 
     def _fetch(self, node: dict[str, Any], keys: list[list[str | None]],
                types: list[str]) -> pa.Table:
-        columns = [{"keys": k, "type": t} for k, t in zip(keys, types)]
-        ticket = flight.Ticket(json.dumps({"get": {"columns": columns}}).encode())
+        ticket = flight.Ticket(wire.FetchTicket(
+            [wire.FetchColumn(k, t) for k, t in zip(keys, types)]).encode())
         table = self._node_client(node["location"]).do_get(ticket, self._options()).read_all()
         self.fetch_stats["fetches"] += 1
         self.fetch_stats["bytes"] += table.nbytes

@@ -25,6 +25,7 @@ node token over TLS (:mod:`flight_server.cluster.security`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -42,7 +43,7 @@ from store.embedded import EmbeddedStore
 from store.errors import ExpstoreError, InvalidArgument, NotFound
 from store.types import is_complex, parse_type, type_name
 
-from ..actions import check_fields, parse_body
+from .. import wire
 from ..errors import flight_errors, from_flight, to_flight
 from ..server import ExpstoreFlightServer
 from .locations import (Holder, check_node_id, chunk_location, degraded_predicate,
@@ -174,9 +175,9 @@ class CoordinatorServer(ExpstoreFlightServer):
         if name in _CLUSTER_ACTIONS:
             self._principal(context, _CLUSTER_ACTIONS[name][0], name)
             with flight_errors(), self.metrics.timed(name):
-                body = parse_body(action.body.to_pybytes() if action.body else b"", name)
-                answer = getattr(self, f"_action_{name}")(body)
-            yield json.dumps(answer, default=str).encode()
+                body = wire.parse_body(action.body.to_pybytes() if action.body else b"", name)
+                answer = getattr(self, f"_action_{name}")(wire.check_body(name, body))
+            yield from wire.results_bytes(answer)
             return
         if name == "create_table":
             with flight_errors():
@@ -185,19 +186,19 @@ class CoordinatorServer(ExpstoreFlightServer):
         if name in ("claim", "claim_many"):
             parts = self._with_endpoints(parts)
         elif name == "describe":
-            parts = [json.dumps(self._declared(json.loads(parts[0]))).encode()]
+            parts = [wire.encode(self._declared(wire.json_result(parts, name)))]
         elif name == "drop_table":
             self._forget_table(action)
         elif name == "gc":
-            answer = json.loads(parts[0])
+            answer = wire.json_result(parts, name)
             answer["data_nodes"] = self.collect_data_nodes()
-            parts = [json.dumps(answer).encode()]
+            parts = [wire.encode(answer)]
         elif name == "health":
-            answer = json.loads(parts[0])
+            answer = wire.json_result(parts, name)
             with self.registry.lock:
                 answer["cluster"] = {"nodes": len(self.registry.nodes),
                                      "lost": len(self.registry.lost)}
-            parts = [json.dumps(answer).encode()]
+            parts = [wire.encode(answer)]
         yield from parts
 
     def _claim_stream(self, principal: Any, doc: dict[str, Any]) -> flight.FlightDataStream:
@@ -210,7 +211,7 @@ class CoordinatorServer(ExpstoreFlightServer):
     def _create_table(self, action: flight.Action) -> flight.Action:
         """Columns declared ``storage: "ref"`` go to the data nodes: the coordinator's table
         gets a string column of location keys in their place; the registry keeps the type."""
-        body = parse_body(action.body.to_pybytes() if action.body else b"", "create_table")
+        body = wire.parse_body(action.body.to_pybytes() if action.body else b"", "create_table")
         storage = body.get("storage") or {}
         columns = body.get("columns")
         if not isinstance(storage, dict) or not isinstance(columns, dict):
@@ -233,10 +234,11 @@ class CoordinatorServer(ExpstoreFlightServer):
             self.registry.save()
         body["columns"] = {c: ("string" if c in remote else t) for c, t in columns.items()}
         body["storage"] = {c: ("value" if c in remote else m) for c, m in storage.items()}
-        return flight.Action("create_table", json.dumps(body).encode())
+        return wire.action("create_table", body)
 
     def _forget_table(self, action: flight.Action) -> None:
-        name = json.loads(action.body.to_pybytes() or b"{}").get("name")
+        # (the body was decoded and checked by the drop_table that just succeeded)
+        name = wire.parse_body(action.body.to_pybytes(), "drop_table").get("name")
         with self.registry.lock:
             if name in self.registry.tables and name not in self.store.list_tables():
                 del self.registry.tables[name]
@@ -254,10 +256,10 @@ class CoordinatorServer(ExpstoreFlightServer):
 
     def _with_endpoints(self, parts: list[bytes]) -> list[bytes]:
         """Add to a claim's header the data nodes holding its values (``data_nodes``)."""
-        header = json.loads(parts[0])
+        header = wire.ClaimHeader.decode(parts[0])
         nodes: set[str] = set()
         with self.registry.lock:
-            tables = {t: dict(self.registry.tables.get(t, {})) for t in header["tables"]}
+            tables = {t: dict(self.registry.tables.get(t, {})) for t in header.tables}
         for (table, columns), body in zip(tables.items(), parts[1:]):
             if not columns:
                 continue
@@ -271,16 +273,15 @@ class CoordinatorServer(ExpstoreFlightServer):
                     if location:
                         nodes.update(h.node for h in parse_key(f"{location}/0")[0])
         with self.registry.lock:
-            header["data_nodes"] = [
+            data_nodes = [
                 {"node_id": n, "locations": [self.registry.nodes[n]["location"]],
                  "placement": self.registry.nodes[n].get("placement"),
                  "alive": n not in self.registry.lost}
                 for n in sorted(nodes) if n in self.registry.nodes]
-        return [json.dumps(header).encode(), *parts[1:]]
+        return [dataclasses.replace(header, data_nodes=data_nodes).encode(), *parts[1:]]
 
     # -- registry actions -------------------------------------------------------------------------
     def _action_register_node(self, body: dict[str, Any]) -> dict[str, Any]:
-        check_fields(body, "register_node", ("node_id", "location"), ("placement",))
         node_id = check_node_id(body["node_id"])
         location = body["location"]
         if not isinstance(location, str) or "://" not in location:
@@ -304,7 +305,6 @@ class CoordinatorServer(ExpstoreFlightServer):
             return {"node_id": node_id, "nodes": self.registry.node_list()}
 
     def _action_cluster(self, body: dict[str, Any]) -> dict[str, Any]:
-        check_fields(body, "cluster", ())
         with self.registry.lock:
             counted = self.store
             assert isinstance(counted, CountingStore)
@@ -315,7 +315,6 @@ class CoordinatorServer(ExpstoreFlightServer):
                     or self._follow_up is not None, **self.cluster_counters}
 
     def _action_report_lost(self, body: dict[str, Any]) -> dict[str, Any]:
-        check_fields(body, "report_lost", ("node_id",))
         node_id = check_node_id(body["node_id"])
         with self.registry.lock:
             node = self.registry.nodes.get(node_id)
@@ -330,7 +329,7 @@ class CoordinatorServer(ExpstoreFlightServer):
         return {"node_id": node_id, "alive": alive, "dead_lettered": dead}
 
     def _action_dead_letters(self, body: dict[str, Any]) -> list[dict[str, Any]]:
-        table = check_fields(body, "dead_letters", (), ("table",)).get("table")
+        table = body.get("table")
         if not os.path.exists(self._dead_path):
             return []
         with open(self._dead_path) as f:
@@ -355,9 +354,9 @@ class CoordinatorServer(ExpstoreFlightServer):
         """A data node's action, called with the node token; its JSON answer."""
         client = self.security.client(location)
         try:
-            results = list(client.do_action(flight.Action(name, json.dumps(body).encode()),
+            results = list(client.do_action(wire.action(name, body),
                                             self.security.options(NODE_CALL_TIMEOUT)))
-            return json.loads(results[0].body.to_pybytes())
+            return wire.json_result([r.body.to_pybytes() for r in results], name)
         except flight.FlightError as e:
             raise from_flight(e) from None
         finally:

@@ -16,9 +16,8 @@ node presents the node token to the coordinator and its peers; with its certific
 """
 from __future__ import annotations
 
-import json
-import re
 import logging
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +30,7 @@ from store.blobs import BlobStore, serialize_chunk_buffer
 from store.errors import InvalidArgument, NotFound, Unavailable
 from store.types import one_array, parse_type
 
-from ..actions import check_fields, parse_body
+from .. import wire
 from ..auth import principal_of
 from ..errors import flight_errors, from_flight, to_flight
 from .locations import Holder, check_node_id, chunk_location
@@ -107,12 +106,11 @@ class DataNodeServer(flight.FlightServerBase):
                 "placement": self.placement}
         client = self._client(self.coordinator)
         try:
-            results = list(client.do_action(flight.Action("register_node",
-                                                          json.dumps(body).encode()),
+            results = list(client.do_action(wire.action("register_node", body),
                                             self.security.options(10)))
         except flight.FlightError as e:
             raise from_flight(e) from None
-        answer = json.loads(results[0].body.to_pybytes())
+        answer = wire.json_result([r.body.to_pybytes() for r in results], "register_node")
         self._peers = [n for n in answer["nodes"] if n["node_id"] != self.node_id and n["alive"]]
 
     def _client(self, location: str) -> flight.FlightClient:
@@ -128,15 +126,14 @@ class DataNodeServer(flight.FlightServerBase):
                writer: flight.FlightMetadataWriter) -> None:
         with flight_errors():
             principal_of(context).require("writer", "a data node's do_put")
-            replicas = _put_command(descriptor)
+            replicas = wire.put_command_of(descriptor)
             index = 0
             for chunk in reader:
                 batch = chunk.data
                 if batch is None or batch.num_rows == 0:
                     continue
                 chunks = self._store_batch(batch, replicas)
-                writer.write(pa.py_buffer(json.dumps(
-                    {"batch": index, "rows": batch.num_rows, "chunks": chunks}).encode()))
+                writer.write(pa.py_buffer(wire.node_put_answer(index, batch.num_rows, chunks)))
                 index += 1
 
     def _store_batch(self, batch: pa.RecordBatch, replicas: int) -> dict[str, str]:
@@ -166,8 +163,7 @@ class DataNodeServer(flight.FlightServerBase):
         errors = []
         for peer in _ring_after(self.node_id, self._peers):
             try:
-                descriptor = flight.FlightDescriptor.for_command(
-                    json.dumps({"put": {"replicas": 1}}).encode())
+                descriptor = flight.FlightDescriptor.for_command(wire.put_command(1))
                 client = self._client(peer["location"])
                 w, answers = client.do_put(descriptor, batch.schema,
                                            self.security.options(REPLICA_TIMEOUT))
@@ -181,7 +177,7 @@ class DataNodeServer(flight.FlightServerBase):
                     errors.append(f"{peer['node_id']}: the put ended without an answer")
                     continue
                 self.counters["replica_puts"] += 1
-                return peer["node_id"], json.loads(answer.to_pybytes())["chunks"]
+                return peer["node_id"], wire.chunks_of_answer(answer.to_pybytes())
             except flight.FlightError as e:
                 errors.append(f"{peer['node_id']}: {e}")
         raise Unavailable(f"replicas=2 needs a second live data node; none took the values "
@@ -192,9 +188,9 @@ class DataNodeServer(flight.FlightServerBase):
                ticket: flight.Ticket) -> flight.RecordBatchStream:
         with flight_errors():
             principal_of(context).require("reader", "a data node's do_get")
-            columns = _get_ticket(ticket.ticket)
-            table = pa.table({f"c{i}": self.blobs.resolve(keys, value_type)
-                              for i, (keys, value_type) in enumerate(columns)})
+            fetch = wire.parse_fetch_ticket(ticket.ticket)
+            table = pa.table({f"c{i}": self.blobs.resolve(c.keys, parse_type(c.type))
+                              for i, c in enumerate(fetch.columns)})
             self.counters["bytes_served"] += table.nbytes
             return flight.RecordBatchStream(table)
 
@@ -209,18 +205,17 @@ class DataNodeServer(flight.FlightServerBase):
                 raise NotFound(f"unknown data node action {action.type!r}; actions: "
                                f"{sorted(_ACTIONS)}")
             principal_of(context).require(_ACTIONS[action.type][0], action.type)
-            body = parse_body(action.body.to_pybytes() if action.body else b"", action.type)
-            answer = getattr(self, f"_action_{action.type}")(body)
-        yield json.dumps(answer).encode()
+            body = wire.parse_body(action.body.to_pybytes() if action.body else b"",
+                                   action.type)
+            answer = getattr(self, f"_action_{action.type}")(wire.check_body(action.type, body))
+        yield wire.encode(answer)
 
     def _action_health(self, body: dict[str, Any]) -> dict[str, Any]:
-        check_fields(body, "health", ())
         return self.health()
 
     def _action_copy_chunks(self, body: dict[str, Any]) -> dict[str, Any]:
         """Copy whole chunks of this node to the data node at ``to`` (a do_put there, one batch
         per chunk): how the coordinator restores a second copy after a loss."""
-        check_fields(body, "copy_chunks", ("chunks", "to"))
         chunks, to = body["chunks"], body["to"]
         if not isinstance(chunks, list) or not all(isinstance(c, str) and _CHUNK.fullmatch(c)
                                                     for c in chunks):
@@ -237,7 +232,7 @@ class DataNodeServer(flight.FlightServerBase):
         client = self._client(to)
         for value_type, group in by_type.items():
             schema = pa.schema([("v", value_type)])
-            descriptor = flight.FlightDescriptor.for_command(b'{"put": {"replicas": 1}}')
+            descriptor = flight.FlightDescriptor.for_command(wire.put_command(1))
             try:
                 writer, answers = client.do_put(descriptor, schema,
                                                 self.security.options(REPLICA_TIMEOUT))
@@ -247,7 +242,7 @@ class DataNodeServer(flight.FlightServerBase):
                         answer = answers.read()
                         if answer is None:
                             break           # refused: writer.close() raises why
-                        copies[chunk] = json.loads(answer.to_pybytes())["chunks"]["v"]
+                        copies[chunk] = wire.chunks_of_answer(answer.to_pybytes())["v"]
                     writer.done_writing()
                 finally:
                     writer.close()
@@ -262,7 +257,6 @@ class DataNodeServer(flight.FlightServerBase):
         """Delete the segments holding no live value: those not in ``live_segments`` and not
         written in the last ``grace_seconds`` (keys of a put may still be on their way to the
         coordinator), never the one being written, which is rolled first."""
-        check_fields(body, "collect", ("live_segments", "grace_seconds"))
         live, grace = body["live_segments"], body["grace_seconds"]
         if not isinstance(live, list) or not all(isinstance(x, int) and not isinstance(x, bool)
                                                  and x >= 0 for x in live):
@@ -313,34 +307,3 @@ def _ring_after(node_id: str, peers: list[dict[str, Any]]) -> list[dict[str, Any
     ordered = sorted(peers, key=lambda n: n["node_id"])
     later = [n for n in ordered if n["node_id"] > node_id]
     return later + [n for n in ordered if n["node_id"] <= node_id]
-
-
-def _put_command(descriptor: flight.FlightDescriptor) -> int:
-    if descriptor.descriptor_type != flight.DescriptorType.CMD:
-        raise InvalidArgument("a data node's do_put expects FlightDescriptor.for_command("
-                              "'{\"put\": {\"replicas\": 1}}')")
-    try:
-        doc = json.loads(descriptor.command)
-        replicas = doc["put"].get("replicas", 1)
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise InvalidArgument(f"data node put command {descriptor.command[:200]!r} is invalid "
-                              f"({e}); expected {{\"put\": {{\"replicas\": 1 or 2}}}}") from None
-    if replicas not in (1, 2) or isinstance(replicas, bool):
-        raise InvalidArgument(f"replicas {replicas!r} is invalid; expected 1 or 2")
-    return int(replicas)
-
-
-def _get_ticket(raw: bytes) -> list[tuple[list[str | None], pa.DataType]]:
-    """The columns a do_get asks for: per column, its keys (null: a null value) and type."""
-    expected = ("{\"get\": {\"columns\": [{\"keys\": [\"segment:offset:length:row\" or null, …], "
-                "\"type\": \"<column type>\"}, …]}} with keys lists of one length")
-    try:
-        columns = json.loads(raw)["get"]["columns"]
-        parsed = [(c["keys"], c["type"]) for c in columns]
-    except (ValueError, TypeError, KeyError) as e:
-        raise InvalidArgument(f"data node ticket is invalid ({e}); expected {expected}") from None
-    if not parsed or any(not isinstance(k, list) or not all(x is None or isinstance(x, str)
-                                                            for x in k) for k, _ in parsed) \
-            or len({len(k) for k, _ in parsed}) != 1:
-        raise InvalidArgument(f"data node ticket columns are malformed; expected {expected}")
-    return [(keys, parse_type(spelling)) for keys, spelling in parsed]
