@@ -462,6 +462,8 @@ def test_the_wire_modules_examples_run():
 NOT_WIRE = {
     ("flight_server/auth.py", "load_tokens", "load"):
         "reads the tokens file given to the server (a local file, not a message)",
+    ("flight_server/cluster/security.py", "ClusterSecurity._tokens", "loads"):
+        "reads the cluster's tokens file text (a local file, not a message)",
     ("flight_server/cluster/coordinator.py", "ClusterRegistry.__init__", "load"):
         "reads the coordinator's registry file beside its database",
     ("flight_server/cluster/coordinator.py", "ClusterRegistry.save", "dump"):
