@@ -340,7 +340,7 @@ class CoordinatorServer(ExpstoreFlightServer):
     def _probe(self, location: str) -> bool:
         client = self.security.client(location)
         try:
-            list(client.do_action(flight.Action("health", b"{}"),
+            list(client.do_action(wire.action("health"),
                                   self.security.options(PROBE_TIMEOUT)))
             return True
         except (flight.FlightUnauthenticatedError, flight.FlightUnauthorizedError):

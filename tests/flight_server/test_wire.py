@@ -13,6 +13,7 @@ import doctest
 import importlib
 import json
 import pkgutil
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -265,6 +266,51 @@ def test_an_action_body_round_trips_and_is_checked_against_its_fields():
         body = {f: 1 for f in required + optional}
         assert wire.check_body(name, wire.parse_body(wire.encode_body(body), name)) == body
     assert wire.parse_body(b"", "health") == {}
+
+
+def _documented_bodies() -> dict[str, tuple[set[str], set[str]]]:
+    """Each action's body in docs/protocol.md's tables: (required, optional) field names."""
+    rows = re.findall(r"^\| `(\w+)` \| (?:reader|writer|admin) \| `(\{.*?\})` \|",
+                      (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8"), re.M)
+    documented: dict[str, tuple[set[str], set[str]]] = {}
+    for name, body in rows:
+        # the fields are the body's top-level comma-separated parts: "name", "where?: SQL …"
+        fields, depth, token = [], 0, ""
+        for ch in body[1:-1] + ",":
+            if ch in "{[(":
+                depth += 1
+            elif ch in "}])":
+                depth -= 1
+            if ch == "," and depth == 0:
+                if token.strip():
+                    named = re.match(r"\s*(\w+)(\??)", token)
+                    assert named is not None, f"{name}: cannot read the field {token!r}"
+                    fields.append(named.groups())
+                token = ""
+            else:
+                token += ch
+        documented[name] = ({f for f, o in fields if not o}, {f for f, o in fields if o})
+    return documented
+
+
+def test_the_action_fields_are_those_docs_protocol_md_lists():
+    documented = _documented_bodies()
+    assert set(wire.ACTION_FIELDS) - {"put"} == set(documented)
+    for name, (required, optional) in documented.items():
+        assert (set(wire.ACTION_FIELDS[name][0]), set(wire.ACTION_FIELDS[name][1])) == \
+            (required, optional), name
+
+
+def test_each_action_needs_the_role_docs_protocol_md_names():
+    from flight_server.actions import ACTIONS
+    from flight_server.cluster import coordinator, datanode
+    roles = {name: spec.role for name, spec in ACTIONS.items()}
+    roles.update({name: role for name, (role, _) in coordinator._CLUSTER_ACTIONS.items()})
+    roles.update({name: role for name, (role, _) in datanode._ACTIONS.items()})
+    documented = re.findall(r"^\| `(\w+)` \| (reader|writer|admin) \| `\{",
+                            (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8"), re.M)
+    assert documented and all(roles[name] == role for name, role in documented), \
+        [(name, role, roles.get(name)) for name, role in documented if roles.get(name) != role]
 
 
 # -- malformed input -------------------------------------------------------------------------------
