@@ -40,6 +40,7 @@ import os
 import re
 import threading
 import uuid
+import weakref
 import zlib
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -212,6 +213,9 @@ class BlobStore:
         # (segment, offset, length) -> (the chunk's values over its own buffer, its size)
         self._recent: OrderedDict[tuple[int, int, int], tuple[pa.Array, int]] = OrderedDict()
         self._recent_held = 0
+        # (id of a cached put's table, its key column) -> (the table, weakly; the chunk whose
+        # rows 0 … n-1 that column names in order, or None): see put_rows
+        self._whole: dict[tuple[int, int], tuple[weakref.ref, tuple[int, int, int] | None]] = {}
         try:
             if self._local:
                 os.makedirs(self.root, exist_ok=True)
@@ -438,6 +442,39 @@ class BlobStore:
         if index is None:
             return self._chunk(segment, offset, length)
         return self._read_rows(ck, index, list(range(index.rows)))
+
+    def put_rows(self, source: pa.Table, key_at: int, indices: list[int],
+                 value_type: pa.DataType) -> pa.Array | None:
+        """Rows ``indices`` of the values column ``key_at`` of ``source`` refers to, cut
+        straight from a chunk kept in memory (see :meth:`_keep_recent`); None where that is not
+        so (then :meth:`resolve` the keys).
+
+        ``source`` is a put as the claim cache holds it: a column of keys the writer built with
+        :func:`keys_for`, naming one chunk's rows in order. Why: a claim then cuts its rows by
+        their row numbers, without parsing and grouping a key per value (most of a claim's time
+        in the store for a few wide rows); whether a column is such a column is checked once per
+        cached put."""
+        memo = (id(source), key_at)
+        known = self._whole.get(memo)
+        if known is None or known[0]() is not source:
+            ck = whole_chunk(source.column(key_at))
+            self._whole[memo] = (weakref.ref(source, lambda _: self._whole.pop(memo, None)), ck)
+        else:
+            ck = known[1]
+        if ck is None:
+            return None
+        with self._cache_lock:
+            held = self._recent.get(ck)
+        if held is None:
+            return None
+        whole = held[0]
+        first = indices[0]
+        if indices[-1] - first == len(indices) - 1 and \
+                indices == list(range(first, first + len(indices))):
+            rows = whole.slice(first, len(indices))
+        else:
+            rows = whole.take(pa.array(indices, pa.int64()))
+        return rows if rows.type == value_type else rows.cast(value_type)
 
     def resolve(self, keys: Sequence[str | None], value_type: pa.DataType) -> pa.Array:
         """The values for ``keys`` (None stays null), in order.
@@ -706,6 +743,24 @@ def _pwritev_run(fd: int, views: list[memoryview], offset: int) -> None:
             else:
                 views[i] = views[i][n:]
                 n = 0
+
+
+def whole_chunk(keys: pa.ChunkedArray) -> tuple[int, int, int] | None:
+    """The chunk (segment, offset, length) whose rows 0 … n-1 ``keys`` name in that order, as
+    :func:`keys_for` builds them for a put's column; else None."""
+    if not len(keys) or keys.null_count:
+        return None
+    prefix, _, row = str(keys[0].as_py()).rpartition(":")
+    try:
+        ck = tuple(int(p) for p in prefix.split(":"))
+    except ValueError:
+        return None
+    if row != "0" or len(ck) != 3:
+        return None
+    expected = keys_for(prefix, len(keys))
+    if not pc.all(pc.equal(keys.cast(pa.large_string()), expected)).as_py():
+        return None
+    return ck  # type: ignore[return-value]
 
 
 def keys_for(prefix: str, rows: int) -> pa.Array:

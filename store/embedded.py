@@ -471,10 +471,15 @@ class EmbeddedStore:
         if len(parts) > 1 and order != sorted(order):
             data = data.take(_inverse(order))
         columns = data.combine_chunks().columns
+        # rows of one cached put: cut from its chunks by row number where they are in memory
+        single = next(iter(sources.values())) if len(sources) == 1 else None
         for value_at, key_at in live.claim_refs:
             keys = columns[key_at]
             if keys.null_count < len(keys):  # some values are in the blob store
-                columns[value_at] = self._resolved(columns[value_at], keys)
+                cut = None if single is None else \
+                    self.blobs.put_rows(single[0], key_at, single[1], columns[value_at].type)
+                columns[value_at] = cut if cut is not None else \
+                    self._resolved(columns[value_at], keys)
         deliveries = [r.deliveries for r in rows]
         delivery_count = (_first_deliveries(len(rows)) if deliveries.count(1) == len(rows)
                           else pa.array(deliveries, pa.int32()))

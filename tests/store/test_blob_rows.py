@@ -14,7 +14,7 @@ import pytest
 
 import store
 from store import blob_rows, tensors
-from store.blobs import BlobStore, serialize_chunk_buffer
+from store.blobs import BlobStore, keys_for, serialize_chunk_buffer
 from store.errors import StorageError
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "blobs-exb2")
@@ -223,3 +223,51 @@ def _spelling(t: pa.DataType) -> str:
     if pa.types.is_struct(t):
         return "tensor<float32>"
     return f"list<{t.value_type}>".replace("<float>", "<float32>")
+
+
+def test_rows_of_a_cached_put_are_cut_by_row_number(tmp_path):
+    cols = _columns(120)
+    b = BlobStore(str(tmp_path / "blobs"))
+    keys = _write(b, cols)
+    rnd = random.Random(3)
+    for name, arr in cols.items():
+        source = pa.table({"k": keys_for(keys[name], len(arr))})
+        for rows in (list(range(10, 26)), rnd.sample(range(len(arr)), 16), [5]):
+            got = b.put_rows(source, 0, rows, arr.type)
+            assert got is not None and got.equals(arr.take(rows)), (name, rows)
+    arr = cols["ids"]
+    shuffled = pa.table({"k": keys_for(keys["ids"], len(arr)).take(list(range(len(arr)))[::-1])})
+    with_null = pa.table({"k": pa.array([f"{keys['ids']}:{i}" if i else None
+                                         for i in range(len(arr))], pa.large_string())})
+    other = BlobStore(str(tmp_path / "other"), recent_bytes=0)
+    cold = _write(other, {"ids": arr})["ids"]
+    for b_, source in ((b, shuffled), (b, with_null),
+                       (other, pa.table({"k": keys_for(cold, len(arr))}))):
+        # keys not naming one chunk's rows in order, or a chunk not in memory: resolve them
+        assert b_.put_rows(source, 0, [1, 2], arr.type) is None
+
+
+def test_a_claim_of_a_fresh_put_cuts_its_values_without_resolving_keys(tmp_path, monkeypatch):
+    s = store.connect(str(tmp_path / "x.duckdb"))
+    n = 64
+    values = pa.array([[float(i)] * 256 for i in range(n)], pa.list_(pa.float32()))
+    text = pa.array([f"r{i}:" + "x" * 500 for i in range(n)], pa.large_string())
+    s.create_table("t", {"v": "list<float32>", "text": "string"},
+                   storage={"v": "ref", "text": "ref"})
+    s.put("t", pa.table({"sample_id": [f"q{i}_0_0" for i in range(n)], "v": values,
+                         "text": text}))
+    resolved = []
+    real = BlobStore.resolve
+    monkeypatch.setattr(BlobStore, "resolve",
+                        lambda self, keys, typ: resolved.append(len(keys)) or real(self, keys, typ))
+    got = []
+    while (c := s.claim("t", 16)).data.num_rows:
+        got.append(c.data)
+        s.ack(c.claim_id)
+    data = pa.concat_tables(got)
+    by_id = {sid: i for i, sid in enumerate(data.column("sample_id").to_pylist())}
+    order = [by_id[f"q{i}_0_0"] for i in range(n)]
+    assert data.column("v").take(order).to_pylist() == values.to_pylist()
+    assert data.column("text").take(order).to_pylist() == text.to_pylist()
+    assert resolved == []
+    s.close()
