@@ -499,23 +499,7 @@ class BlobStore:
                 seg, off, length = (int(p) for p in prefix.split(":"))
             except ValueError:
                 raise StorageError(f"blob key {prefix}:{items[0][1]!r} is malformed") from None
-            ck = (seg, off, length)
-            rows = [r for _, r in items]
-            with self._cache_lock:
-                held = self._recent.get(ck)
-            index = self._index(*ck) if held is None else None
-            whole = held[0] if held is not None else \
-                self._chunk(*ck) if index is None else None
-            size = index.rows if index is not None else len(whole)  # type: ignore[arg-type]
-            if min(rows) < 0 or max(rows) >= size:
-                raise StorageError(f"blob key row out of range in chunk {ck}")
-            if whole is None:
-                piece = self._read_rows(ck, index, rows)
-            elif rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
-                piece = whole.slice(rows[0], len(rows))
-            else:
-                piece = whole.take(pa.array(rows, pa.int64()))
-            pieces.append(piece if piece.type == value_type else piece.cast(value_type))
+            pieces.append(self._rows((seg, off, length), [r for _, r in items], value_type))
             positions.extend(p for p, _ in items)
         values = pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
         if len(positions) == len(keys) and positions == list(range(len(keys))):
@@ -525,6 +509,48 @@ class BlobStore:
         for i, p in enumerate(positions):
             order[p] = i
         return values.take(pa.array([o if o >= 0 else None for o in order], pa.int64()))
+
+    def resolve_keys(self, keys: pa.Array | pa.ChunkedArray,
+                     value_type: pa.DataType) -> pa.Array | None:
+        """The values of ``keys`` when they are one chunk's consecutive rows in order (a column
+        of a put, or a run of it, as SQL reads them), checked and cut without a Python step per
+        key; else None (then :meth:`resolve` them). Why: parsing and grouping each key in
+        Python was most of the time of ``SELECT *`` over by-reference columns."""
+        if len(keys) < 2 or keys.null_count:
+            return None
+        prefix, _, row = str(keys[0].as_py()).rpartition(":")
+        try:
+            ck = tuple(int(p) for p in prefix.split(":"))
+            first = int(row)
+        except ValueError:
+            return None
+        if len(ck) != 3 or min(*ck, first) < 0:
+            return None
+        # built from the numbers read: a key spelled any other way differs from it
+        expected = keys_for(":".join(map(str, ck)), len(keys), first)
+        if not pc.all(pc.equal(keys.cast(pa.large_string()), expected)).as_py():
+            return None
+        return self._rows(ck, list(range(first, first + len(keys))), value_type)  # type: ignore[arg-type]
+
+    def _rows(self, ck: tuple[int, int, int], rows: list[int],
+              value_type: pa.DataType) -> pa.Array:
+        """Rows ``rows`` of chunk ``ck``, in that order, as ``value_type``: from memory where the
+        chunk is held, by its index (format 3), else from the whole chunk."""
+        with self._cache_lock:
+            held = self._recent.get(ck)
+        index = self._index(*ck) if held is None else None
+        whole = held[0] if held is not None else \
+            self._chunk(*ck) if index is None else None
+        size = index.rows if index is not None else len(whole)  # type: ignore[arg-type]
+        if min(rows) < 0 or max(rows) >= size:
+            raise StorageError(f"blob key row out of range in chunk {ck}")
+        if whole is None:
+            piece = self._read_rows(ck, index, rows)
+        elif rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+            piece = whole.slice(rows[0], len(rows))
+        else:
+            piece = whole.take(pa.array(rows, pa.int64()))
+        return piece if piece.type == value_type else piece.cast(value_type)
 
     def _read_rows(self, ck: tuple[int, int, int], index: blob_rows.ChunkIndex | None,
                    rows: list[int]) -> pa.Array:
@@ -755,17 +781,17 @@ def whole_chunk(keys: pa.ChunkedArray) -> tuple[int, int, int] | None:
         ck = tuple(int(p) for p in prefix.split(":"))
     except ValueError:
         return None
-    if row != "0" or len(ck) != 3:
+    if row != "0" or len(ck) != 3 or min(ck) < 0:
         return None
-    expected = keys_for(prefix, len(keys))
+    expected = keys_for(":".join(map(str, ck)), len(keys))
     if not pc.all(pc.equal(keys.cast(pa.large_string()), expected)).as_py():
         return None
     return ck  # type: ignore[return-value]
 
 
-def keys_for(prefix: str, rows: int) -> pa.Array:
-    """``prefix:0 … prefix:{rows-1}`` as an Arrow large_string array (the type of the cached
-    ``__ref`` columns), built vectorised."""
-    idx = pc.cast(pa.array(np.arange(rows, dtype=np.int64)), pa.large_string())
+def keys_for(prefix: str, rows: int, first: int = 0) -> pa.Array:
+    """``prefix:{first} … prefix:{first+rows-1}`` as an Arrow large_string array (the type of
+    the cached ``__ref`` columns), built vectorised."""
+    idx = pc.cast(pa.array(np.arange(first, first + rows, dtype=np.int64)), pa.large_string())
     return pc.binary_join_element_wise(pa.scalar(prefix, pa.large_string()), idx,
                                        pa.scalar(":", pa.large_string()))

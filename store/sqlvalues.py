@@ -127,11 +127,22 @@ class ValueViews:
         return name
 
 
+#: Vectors of at least this many keys first try the bulk path (below it a kernel's fixed cost
+#: is more than the Python check).
+BULK_KEYS = 64
+
+
 def _resolve(blobs: BlobStore, keys: pa.Array | pa.ChunkedArray,
              value_type: pa.DataType) -> pa.Array:
     """The values of well-formed blob keys (nulls stay null); any other string is an error."""
-    # Checked in Python: the values come a DuckDB vector at a time (often a few rows, after a
-    # filter), where a compute kernel's fixed cost was most of the call.
+    # A vector of one put's rows in order (SELECT * of a column) is checked and cut in bulk
+    # (BlobStore.resolve_keys); other keys are checked in Python: the values come a DuckDB
+    # vector at a time (often a few rows, after a filter), where a compute kernel's fixed cost
+    # was most of the call.
+    if len(keys) >= BULK_KEYS:
+        values = blobs.resolve_keys(keys, value_type)
+        if values is not None:
+            return values
     listed = keys.to_pylist()
     for key in listed:
         if key is not None and not KEY.fullmatch(key):

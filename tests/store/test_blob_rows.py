@@ -271,3 +271,27 @@ def test_a_claim_of_a_fresh_put_cuts_its_values_without_resolving_keys(tmp_path,
     assert data.column("text").take(order).to_pylist() == text.to_pylist()
     assert resolved == []
     s.close()
+
+
+@pytest.mark.parametrize("recent", [256 << 20, 0], ids=["from_memory", "from_segments"])
+def test_a_run_of_one_chunks_keys_is_resolved_in_bulk(tmp_path, recent):
+    cols = _columns(150)
+    b = BlobStore(str(tmp_path / "blobs"), recent_bytes=recent)
+    keys = _write(b, cols)
+    for name, arr in cols.items():
+        for first, n in ((0, 150), (37, 64), (149, 1)):
+            run = pa.array([f"{keys[name]}:{r}" for r in range(first, first + n)], pa.string())
+            got = b.resolve_keys(run, arr.type)
+            if n < 2:
+                assert got is None                       # nothing to gain: resolve it
+                continue
+            assert got is not None and got.equals(arr.slice(first, n)), (name, first)
+    prefix = keys["ids"]
+    seg, off, length = prefix.split(":")
+    for odd in ([f"{prefix}:{r}" for r in (0, 2, 1)],             # not in order
+                [f"{prefix}:0", None, f"{prefix}:2"],              # a null
+                [f" {prefix}:{r}" for r in range(3)],              # spelled otherwise
+                [f"{seg}:{off}:+{length}:{r}" for r in range(3)],
+                [f"-{prefix}:{r}" for r in range(3)],
+                ["x", "y", "z"]):
+        assert b.resolve_keys(pa.array(odd, pa.string()), cols["ids"].type) is None, odd
