@@ -28,6 +28,8 @@ import time
 from typing import Any
 
 from bench.context import Ctx, Skip
+# (imports no TransferQueue or Ray: those are imported where they run)
+from bench.transferqueue import _tensordict, micro_batches, micro_rows, tq_system
 from bench.util import percentiles_ms
 from bench.workloads import WIDE_COLUMNS, wide_table
 
@@ -225,11 +227,9 @@ def transferqueue_baseline(ctx: Ctx, rows: int, one_node: dict[str, float]) -> N
     except ImportError as e:
         print(f"  TransferQueue baseline skipped: {e} (pip install 'transferqueue==0.1.11')")
         return
-    from bench.transferqueue import _tensordict, micro_batches, micro_rows
-    from bench.transferqueue import transfer_queue as tq_on_ray
     nbytes = wide_table(rows).nbytes
     data = _tensordict(micro_rows("wide", rows), rows)
-    with tq_on_ray(SequentialSampler()) as client:
+    with tq_system(SequentialSampler()) as client:
         t0 = time.perf_counter()
         client.put(data=data, partition_id="cluster-ingest")
         put_s = time.perf_counter() - t0

@@ -25,3 +25,12 @@ def test_a_run_writes_its_figures_and_exits_without_leak_reports(tmp_path):
     assert "redis_streams.narrow_rows_per_s" in results["metrics"] or \
         "redis_streams" in results["skipped"]
     assert "leaked" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
+
+
+def test_every_benchmark_module_imports_and_lists_its_title():
+    """``--list`` imports every benchmark module: a name one imports from another that is
+    gone (the cluster benchmark's TransferQueue helpers) fails here, not after a long run."""
+    proc = subprocess.run([sys.executable, "-m", "bench", "--list"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "cluster" in proc.stdout and "transferqueue" in proc.stdout
