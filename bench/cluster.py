@@ -139,7 +139,9 @@ def run(ctx: Ctx) -> None:
     from flight_server.cluster.ray_cluster import cluster_up
 
     counts = node_counts(ctx)
-    rows_per_node = ctx.pick(512, 2048)
+    # with a quarter of this, a phase on many cores was over too soon to measure more than
+    # start-up jitter (BENCHMARKS.md, "Scale-out on Ray")
+    rows_per_node = ctx.pick(512, 8192)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False})
     tmp = tempfile.mkdtemp(prefix="expstore-bench-cluster-")
