@@ -7,6 +7,7 @@ a handler gets a body whose fields were checked against ``wire.ACTION_FIELDS``.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,8 +42,21 @@ def _drop_table(s: EmbeddedStore, b: dict[str, Any]) -> Any:
 
 
 def _claim_one(s: EmbeddedStore, b: dict[str, Any]) -> Claim:
+    claim, acked = claim_acking(s, b)
+    if acked is not None:
+        acked.result()                   # the claim is the client's once the ack is durable
+    return claim
+
+
+def claim_acking(s: EmbeddedStore, b: dict[str, Any]) -> tuple[Claim, Future | None]:
+    """The claim action: the claim, and with ``ack`` (a claim id settled first, see
+    :meth:`EmbeddedStore.ack_and_claim`) the Future of that ack, which the answer waits for."""
     body = wire.parse_claim_body(b)
-    return s.claim_many(body.requests, consumer=body.consumer, lease_seconds=body.lease_seconds)
+    if body.ack is None:
+        return s.claim_many(body.requests, consumer=body.consumer,
+                            lease_seconds=body.lease_seconds), None
+    return s.ack_and_claim(body.ack, body.requests, consumer=body.consumer,
+                           lease_seconds=body.lease_seconds)
 
 
 def _claim(s: EmbeddedStore, b: dict[str, Any]) -> Any:

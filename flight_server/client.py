@@ -242,10 +242,22 @@ class RemoteStore:
     def claim(self, table: str, limit: int, *, where: str | None = None,
               group_by: str | None = None, group_size: int | None = None,
               consumer: str | None = None, lease_seconds: float | None = None,
-              min_rows: int = 1) -> Claim:
+              min_rows: int = 1, ack: str | None = None) -> Claim:
+        """A claim; with ``ack``, that claim is acked first, in the same request: the answer
+        comes once the ack is durable, and the claim's work overlapped the ack's commit (see
+        ``EmbeddedStore.ack_and_claim``)."""
         request = ClaimRequest(table, limit, where, group_by, group_size, min_rows)
+        if ack is not None and type(self).claim_many is not RemoteStore.claim_many:
+            # a client that completes claims in claim_many (the cluster's resolves values)
+            self.ack(ack)
+            ack = None
         if self._streams_claims(table, limit):
-            claim = self._claim_streamed(request, consumer, lease_seconds)
+            claim = self._claim_streamed(request, consumer, lease_seconds, ack)
+        elif ack is not None:
+            body = wire.claim_body(request, consumer, lease_seconds, ack)
+            claim = wire.claim_of_results(self._fast("claim", body).result(self._timeout))
+            if not claim.claim_id:
+                claim = self._empty_claim(claim, [request])
         else:
             claim = self.claim_many([request], consumer=consumer, lease_seconds=lease_seconds)
         if claim.data.num_rows:
@@ -267,8 +279,8 @@ class RemoteStore:
         return row_bytes is not None and row_bytes * limit >= STREAM_CLAIM_BYTES
 
     def _claim_streamed(self, request: ClaimRequest, consumer: str | None,
-                        lease_seconds: float | None) -> Claim:
-        body = wire.claim_body(request, consumer, lease_seconds)
+                        lease_seconds: float | None, ack: str | None = None) -> Claim:
+        body = wire.claim_body(request, consumer, lease_seconds, ack)
         ticket = flight.Ticket(wire.ClaimTicket(body).encode())
         try:
             with self._calls():
@@ -277,6 +289,8 @@ class RemoteStore:
             if self._claim_streams is not None or NO_CLAIM_TICKETS not in str(e):
                 raise
             self._claim_streams = False  # a server from before claim streams: the session
+            if ack is not None:
+                self.ack(ack)
             return self.claim_many([request], consumer=consumer, lease_seconds=lease_seconds)
         self._claim_streams = True
         return wire.claim_of_stream(request.table, data)

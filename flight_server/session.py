@@ -19,9 +19,10 @@ the rows, after a newline::
 
     {"id": 8, "action": "put", "body": {"table": "policy"}, "sizes": [1184]}\\n<IPC stream>
 
-Claims and version reads are answered in request order. Puts, acks and nacks are answered when
-their commit is durable, from another thread, so a claim sent after an ack does not wait for the
-ack's fsync: answers can overtake each other, and clients match them by ``id``. One thread writes
+Claims and version reads are answered in request order. Puts, acks, nacks and claims that carry
+an ack are answered when their commit is durable, from another thread, so a claim sent after an
+ack does not wait for the ack's fsync: answers can overtake each other, and clients match them
+by ``id``. One thread writes
 those answers for every session (:class:`_DurableAnswers`). When the server
 shuts down it sends ``{"id": null, "closing": true}`` and the client ends its side of the stream.
 The messages are encoded and decoded by :mod:`flight_server.wire.session`.
@@ -42,7 +43,7 @@ from store.embedded import EmbeddedStore
 from store.errors import InvalidArgument
 
 from . import wire
-from .actions import ACTIONS, run_action
+from .actions import ACTIONS, claim_acking, run_action
 from .auth import Principal
 from .errors import as_store_error
 from .metrics import Metrics
@@ -117,6 +118,20 @@ def error_frame(request_id: Any, error: BaseException) -> pa.Buffer:
     return error_answer(request_id, as_store_error(error))
 
 
+def _once_done(first: Future, result: Any) -> Future:
+    """A Future of ``result`` that resolves when ``first`` does (with its error, if any)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        error = f.exception()
+        if error is None:
+            out.set_result(result)
+        else:
+            out.set_exception(error)
+    first.add_done_callback(done)
+    return out
+
+
 class ActionSession:
     """Serves one session stream until the client ends it (or the server shuts down)."""
 
@@ -175,7 +190,7 @@ class ActionSession:
             request_id = request.id
             request.check(SESSION_ACTIONS)
             name, body, parts = request.action, request.body, request.parts
-            if name in DURABLE_ACTIONS:
+            if name in DURABLE_ACTIONS or (name == "claim" and "ack" in body):
                 started = time.perf_counter()
                 future = self._start_write(name, body, parts)
                 self._slots.acquire()
@@ -200,6 +215,11 @@ class ActionSession:
                 raise InvalidArgument(f"put's table must be a string, got {table!r}")
             return self._store.put_async(table, read_rows(parts))
         self._principal.require(ACTIONS[name].role, name)
+        if name == "claim":  # one that carries an ack
+            # the answer is built now, while the ack commits, and sent once it is durable
+            claim, acked = claim_acking(self._store, body)
+            assert acked is not None
+            return _once_done(acked, wire.claim_results(claim))
         claim_id = wire.check_body(name, body)["claim_id"]
         settle = EmbeddedStore.ack_async if name == "ack" else EmbeddedStore.nack_async
         return settle(self._store, claim_id)

@@ -322,10 +322,47 @@ class EmbeddedStore:
     def claim(self, table: str, limit: int, *, where: str | None = None,
               group_by: str | None = None, group_size: int | None = None,
               consumer: str | None = None, lease_seconds: float | None = None,
-              min_rows: int = 1) -> Claim:
-        """Lease up to ``limit`` ready rows (see :class:`ClaimRequest`)."""
+              min_rows: int = 1, ack: str | None = None) -> Claim:
+        """Lease up to ``limit`` ready rows (see :class:`ClaimRequest`); with ``ack``, first
+        ack that claim (see :meth:`ack_and_claim`)."""
         request = ClaimRequest(table, limit, where, group_by, group_size, min_rows)
+        if ack is not None:
+            claim, acked = self.ack_and_claim(ack, [request], consumer=consumer,
+                                              lease_seconds=lease_seconds)
+            acked.result()
+            return claim
         return self.claim_many([request], consumer=consumer, lease_seconds=lease_seconds)
+
+    def ack_and_claim(self, ack: str, requests: list[ClaimRequest], *,
+                      consumer: str | None = None,
+                      lease_seconds: float | None = None) -> tuple[Claim, Future]:
+        """Ack claim ``ack`` and make a new claim while the ack's commit runs: the new claim,
+        and a Future of the ack's answer, resolved once the ack is durable.
+
+        Why: a trainer settles one micro-batch and fetches the next; done as one request, the
+        claim's work overlaps the ack's fsync and the pair costs one round trip. The claim
+        must not be used before the Future resolves: if the ack's commit fails, the new claim's
+        rows are given back (no delivery counted) and the Future raises what ack would, the
+        acked claim staying leased as after a failed ack. An unknown or ended claim ``ack``
+        raises here and nothing is claimed; a claim that fails after the ack started leaves
+        the ack to finish (acking again answers ``duplicate``).
+        """
+        settled = self.ack_async(ack)
+        claim = self.claim_many(requests, consumer=consumer, lease_seconds=lease_seconds)
+        answer: Future = Future()
+
+        def done(f: Future) -> None:
+            error = f.exception()
+            if error is None:
+                answer.set_result(f.result())
+                return
+            with self._lock:
+                lease = self._claims.get(claim.claim_id)
+            if lease is not None:
+                self._release_unread(lease)
+            answer.set_exception(error)
+        settled.add_done_callback(done)
+        return claim, answer
 
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:

@@ -35,7 +35,7 @@ ACTION_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "describe": (("table",), ()),
     "list_tables": ((), ()),
     "claim": (("table", "limit"), ("where", "group_by", "group_size", "consumer",
-                                   "lease_seconds", "min_rows")),
+                                   "lease_seconds", "min_rows", "ack")),
     "claim_many": (("requests",), ("consumer", "lease_seconds")),
     "ack": (("claim_id",), ()),
     "nack": (("claim_id",), ()),
@@ -147,13 +147,16 @@ def claim_request_doc(request: ClaimRequest) -> dict[str, Any]:
 
 
 def claim_body(request: ClaimRequest, consumer: str | None,
-               lease_seconds: float | None) -> dict[str, Any]:
-    """The ``claim`` action's body (also a claim ticket's ``claim``)."""
+               lease_seconds: float | None, ack: str | None = None) -> dict[str, Any]:
+    """The ``claim`` action's body (also a claim ticket's ``claim``); ``ack``: the claim id it
+    acks first."""
     body = claim_request_doc(request)
     if consumer is not None:
         body["consumer"] = consumer
     if lease_seconds is not None:
         body["lease_seconds"] = lease_seconds
+    if ack is not None:
+        body["ack"] = ack
     return body
 
 
@@ -170,20 +173,22 @@ def claim_many_body(requests: list[ClaimRequest], consumer: str | None,
 
 @dataclass(frozen=True)
 class ClaimBody:
-    """A ``claim`` or ``claim_many`` body, decoded: the requests (checked), for whom, and for
-    how long (None: the table's lease; checked by the store)."""
+    """A ``claim`` or ``claim_many`` body, decoded: the requests (checked), for whom, for how
+    long (None: the table's lease; checked by the store), and for a ``claim``, the claim id it
+    acks first (``ack``; checked by the store)."""
 
     requests: list[ClaimRequest]
     consumer: Any = None
     lease_seconds: Any = None
+    ack: Any = None
 
 
 def parse_claim_body(body: dict[str, Any]) -> ClaimBody:
     """A ``claim`` body (or a claim ticket's ``claim``), checked."""
     check_body("claim", body)
-    rest = {k: v for k, v in body.items() if k not in ("consumer", "lease_seconds")}
+    rest = {k: v for k, v in body.items() if k not in ("consumer", "lease_seconds", "ack")}
     return ClaimBody([ClaimRequest.from_json(rest)], body.get("consumer"),
-                     body.get("lease_seconds"))
+                     body.get("lease_seconds"), body.get("ack"))
 
 
 def parse_claim_many_body(body: dict[str, Any]) -> ClaimBody:
