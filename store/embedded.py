@@ -491,8 +491,7 @@ class EmbeddedStore:
             loaded = self._read_values(live, [rows[i] for i in missing])
             for i in missing:
                 payloads[i] = loaded.get(rows[i].row_id)
-        # One take per cached source table (rows mostly come from a few puts), then one
-        # reorder into claim order: far cheaper than a slice and a concat per row.
+        # the claim's rows by the cached table (the put) they come from
         sources: dict[int, tuple[pa.Table, list[int], list[int]]] = {}
         for position, (r, payload) in enumerate(zip(rows, payloads)):
             if payload is None:
@@ -502,26 +501,67 @@ class EmbeddedStore:
             entry = sources.setdefault(id(table), (table, [], []))
             entry[1].append(index)
             entry[2].append(position)
-        parts = [_rows_of(table, indices) for table, indices, _ in sources.values()]
-        data = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
-        order = [p for _, _, positions in sources.values() for p in positions]
-        if len(parts) > 1 and order != sorted(order):
-            data = data.take(_inverse(order))
-        columns = data.combine_chunks().columns
-        # rows of one cached put: cut from its chunks by row number where they are in memory
-        single = next(iter(sources.values())) if len(sources) == 1 else None
-        for value_at, key_at in live.claim_refs:
-            keys = columns[key_at]
-            if keys.null_count < len(keys):  # some values are in the blob store
-                cut = None if single is None else \
-                    self.blobs.put_rows(single[0], key_at, single[1], columns[value_at].type)
-                columns[value_at] = cut if cut is not None else \
-                    self._resolved(columns[value_at], keys)
+        if len(sources) == 1:
+            table, indices, _ = next(iter(sources.values()))
+            columns = self._one_put_columns(live, table, indices)
+        else:
+            columns = self._columns(live, sources)
         deliveries = [r.deliveries for r in rows]
         delivery_count = (_first_deliveries(len(rows)) if deliveries.count(1) == len(rows)
                           else pa.array(deliveries, pa.int32()))
         return pa.Table.from_arrays([delivery_count if at < 0 else columns[at]
                                      for at in live.claim_sources], schema=tdef.claim_schema())
+
+    def _one_put_columns(self, live: LiveTable, table: pa.Table,
+                         indices: list[int]) -> dict[int, pa.Array]:
+        """The claim's columns (by position in the payload) from rows ``indices`` of one cached
+        put: each column the claim returns cut alone, by-reference values from the put's chunks
+        by row number where they are held in memory (:meth:`BlobStore.put_rows`).
+
+        Why column by column: the claim answers a few of the put's columns' rows; slicing and
+        combining the whole cached table (its keys and inline placeholders too) first cost more
+        than the rest of the cut."""
+        n = len(indices)
+        first: int | None = indices[0]
+        if indices[-1] - indices[0] != n - 1 or indices != list(range(indices[0], indices[0] + n)):
+            first = None
+        positions = None if first is not None else pa.array(indices, pa.int64())
+
+        def rows(at: int) -> pa.Array:
+            column = table.column(at)
+            part = column.slice(first, n) if positions is None else column.take(positions)
+            return part.chunk(0) if part.num_chunks == 1 else part.combine_chunks()
+
+        columns: dict[int, pa.Array] = {}
+        for value_at, key_at in live.claim_refs:
+            cut = self.blobs.put_rows(table, key_at, indices, table.schema.field(value_at).type)
+            if cut is None:
+                keys = rows(key_at)
+                if keys.null_count == len(keys):  # every value inline
+                    continue
+                cut = self._resolved(rows(value_at), keys)
+            columns[value_at] = cut
+        for at in live.claim_sources:
+            if at >= 0 and at not in columns:
+                columns[at] = rows(at)
+        return columns
+
+    def _columns(self, live: LiveTable,
+                 sources: dict[int, tuple[pa.Table, list[int], list[int]]]) -> dict[int, pa.Array]:
+        """The claim's columns (by position in the payload) from rows of several cached tables:
+        one cut per table, then one reorder into claim order (far cheaper than a slice and a
+        concat per row), by-reference values resolved from their keys."""
+        parts = [_rows_of(table, indices) for table, indices, _ in sources.values()]
+        data = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        order = [p for _, _, positions in sources.values() for p in positions]
+        if len(parts) > 1 and order != sorted(order):
+            data = data.take(_inverse(order))
+        columns = dict(enumerate(data.combine_chunks().columns))
+        for value_at, key_at in live.claim_refs:
+            keys = columns[key_at]
+            if keys.null_count < len(keys):  # some values are in the blob store
+                columns[value_at] = self._resolved(columns[value_at], keys)
+        return columns
 
     def _read_values(self, live: LiveTable, claimed: list[Row]) -> dict[int, tuple[pa.Table, int]]:
         """Values of claimed rows that have none cached, read from DuckDB with those of the next
