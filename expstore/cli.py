@@ -762,6 +762,9 @@ def export(table: str | None, sql: str | None, output: str, fmt: str | None, chu
 def gc(target: Target, as_json: bool) -> None:
     """Delete blob segments that no row references any more.
 
+    On a cluster's coordinator, also each data node's segments that no row names (once they
+    are older than the cluster's --gc-grace); the answer has a line per data node.
+
     \b
     Example:
         expstore gc --db ./expstore.duckdb

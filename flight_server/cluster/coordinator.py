@@ -506,7 +506,12 @@ class CoordinatorServer(ExpstoreFlightServer):
             if table not in self.store.list_tables():
                 continue
             for column in columns:
-                found = self.store.query(holder_segments_sql(table, column))
+                try:
+                    found = self.store.query(holder_segments_sql(table, column))
+                except ExpstoreError:
+                    if table in self.store.list_tables():
+                        raise
+                    break                    # dropped meanwhile: its keys are gone
                 for node, segment in zip(found.column("node").to_pylist(),
                                          found.column("segment").to_pylist()):
                     named.setdefault(node, set()).add(int(segment))

@@ -436,5 +436,12 @@ def test_gc_deletes_the_segments_no_row_names_on_the_data_nodes(tmp_path):
             s.ack(claim.claim_id)
             with pytest.raises(flight.FlightServerError, match="live_segments"):
                 action_json(node, "collect", {"live_segments": ["0"], "grace_seconds": 0})
+        # the operator's command: `expstore gc --uri <coordinator>` reports every data node
+        from click.testing import CliRunner
+
+        from expstore.cli import cli
+        ran = CliRunner().invoke(cli, ["gc", "--uri", c.uri, "--json"])
+        assert ran.exit_code == 0, ran.output
+        assert set(json.loads(ran.output)["data_nodes"]) == {"dn-0", "dn-1", "dn-2"}
     finally:
         c.close()
