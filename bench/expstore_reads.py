@@ -12,8 +12,9 @@ same bytes in the same run; TransferQueue's workload and micro-batch flow throug
   ack is durable), and as two calls, ``claim`` then ``ack``.
 
 "Raw Flight" is the trivial in-memory server of bench/flight_raw.py serving the very tables the
-claims (or the query) returned, one ``do_get`` per claim: the same bytes in the same number of
-calls, so each ratio isolates what the store adds. MB is 1e6 bytes of Arrow buffers
+claims (or the query) returned, one ``do_get`` per claim, each right after the claim (or query)
+it repeats: the same bytes in the same number of calls, paired call by call so that the load of
+a shared machine lands on both alike; each ratio isolates what the store adds. MB is 1e6 bytes of Arrow buffers
 (``Table.nbytes``) of what the claim returned. The server's resident memory is recorded after
 each read.
 """
@@ -50,10 +51,14 @@ def tq_table(start: int = 0) -> pa.Table:
     return pa.table(columns)
 
 
-def read_by_claims(s: Any, table: str, size: int) -> tuple[list[float], list[pa.Table]]:
-    """Claim ``size`` rows at a time until the table is empty: each claim's duration and what
-    it returned (acked afterwards, so that only reads are timed)."""
+def read_by_claims(s: Any, table: str, size: int, raw: flight.FlightClient,
+                   tag: str) -> tuple[list[float], list[float], list[pa.Table]]:
+    """Claim ``size`` rows at a time until the table is empty, each claim followed by raw
+    Flight's ``do_get`` of the very table it returned (see :func:`raw_get`): the claims' durations, the raw calls' durations, and what the claims returned
+    (acked afterwards, so that only reads are timed). Paired call by call, so that the load of a
+    shared machine lands on both alike."""
     took: list[float] = []
+    raw_took: list[float] = []
     got: list[pa.Table] = []
     ids: list[str] = []
     while True:
@@ -65,21 +70,20 @@ def read_by_claims(s: Any, table: str, size: int) -> tuple[list[float], list[pa.
         took.append(t1 - t0)
         got.append(c.data)
         ids.append(c.claim_id)
+        raw_took.append(raw_get(raw, c.data, f"{tag}-{len(got)}"))
     for future in [s.ack_async(i) for i in ids]:
         future.result(60)
-    return took, got
+    return took, raw_took, got
 
 
-def raw_gets(client: flight.FlightClient, tables: list[pa.Table], tag: str) -> float:
-    """Seconds raw Flight takes to serve ``tables``, one do_get each (their bytes, their
-    number of calls); each table is put once before."""
-    for i, t in enumerate(tables):
-        put_stream(client, f"{tag}-{i}", t)
-    tickets = [flight.Ticket(f"{tag}-{i}".encode()) for i in range(len(tables))]
-    client.do_get(tickets[0]).read_all()
+def raw_get(client: flight.FlightClient, table: pa.Table, name: str) -> float:
+    """Seconds raw Flight takes to serve ``table`` in one do_get (put to it and served once
+    before, untimed: the call timed is raw Flight's warm case, as back-to-back claims are)."""
+    put_stream(client, name, table)
+    ticket = flight.Ticket(name.encode())
+    client.do_get(ticket).read_all()
     t0 = time.perf_counter()
-    for ticket in tickets:
-        client.do_get(ticket).read_all()
+    client.do_get(ticket).read_all()
     return time.perf_counter() - t0
 
 
@@ -97,8 +101,8 @@ def _reads(ctx: Ctx, s: Any, raw: flight.FlightClient, shape: str, make: Any,
            columns: dict[str, str]) -> None:
     """Put three tables of ``shape`` (timed), read one by claims of 16, one by claims of 64,
     one by SQL; each beside raw Flight serving the same tables."""
-    tables, puts = [], []
-    for i in range(3):
+    tables, puts, raw_puts = [], [], []
+    for i in range(3):                 # each put beside raw Flight's do_put of the same table
         name = expstore_server.table_name(f"reads_{shape}")
         s.create_table(name, columns, storage={c: "ref" for c in columns})
         data = make(i * 10**6)
@@ -106,39 +110,34 @@ def _reads(ctx: Ctx, s: Any, raw: flight.FlightClient, shape: str, make: Any,
         s.put(name, data)
         puts.append(time.perf_counter() - t0)
         tables.append(name)
-    nbytes = data.nbytes
-    ctx.record(f"{shape}_put_mb_per_s", nbytes / _median(puts) / 1e6, "MB/s",
-               f"{shape}: one put of {data.num_rows:,} rows, {nbytes / 2**20:.0f} MiB, median")
-    raw_puts = []
-    for _ in range(3):
         t0 = time.perf_counter()
         put_stream(raw, "sink-reads", data)          # the transport's bound for that put
         raw_puts.append(time.perf_counter() - t0)
+    nbytes = data.nbytes
+    ctx.record(f"{shape}_put_mb_per_s", nbytes / _median(puts) / 1e6, "MB/s",
+               f"{shape}: one put of {data.num_rows:,} rows, {nbytes / 2**20:.0f} MiB, median")
     ctx.record(f"raw_{shape}_put_mb_per_s", nbytes / _median(raw_puts) / 1e6, "MB/s",
                "  raw Flight do_put of the same table, median")
     for size, table in ((16, tables[0]), (64, tables[1])):
-        took, got = read_by_claims(s, table, size)
+        took, raw_took, got = read_by_claims(s, table, size, raw, f"{shape}-{size}")
         mb = sum(t.nbytes for t in got) / 1e6
-        ours = mb / sum(took)
-        ctx.record(f"{shape}_claim{size}_mb_per_s", ours, "MB/s",
+        ctx.record(f"{shape}_claim{size}_mb_per_s", mb / sum(took), "MB/s",
                    f"{shape}: read back by claims of {size}")
         _rss(ctx, f"{shape}_claim{size}_rss_mb", "  … server RSS after them")
-        theirs = mb / raw_gets(raw, got, f"{shape}-{size}")
-        ctx.record(f"raw_{shape}_claim{size}_mb_per_s", theirs, "MB/s",
-                   f"  raw Flight do_get of the same {len(got)} tables")
-    took, results = [], []
-    for _ in range(3):
+        ctx.record(f"raw_{shape}_claim{size}_mb_per_s", mb / sum(raw_took), "MB/s",
+                   f"  raw Flight do_get of the same {len(got)} tables, each after its claim")
+    took, raw_s = [], []
+    for i in range(3):                 # each query beside raw Flight serving its result
         t0 = time.perf_counter()
         result = s.query(f'SELECT * FROM "{tables[2]}"')
         took.append(time.perf_counter() - t0)
-        results.append(result)
+        raw_s.append(raw_get(raw, result, f"{shape}-sql-{i}"))
     mb = result.nbytes / 1e6
     ctx.record(f"{shape}_sql_mb_per_s", mb / _median(took), "MB/s",
                f"{shape}: SELECT * of {result.num_rows:,} rows, median")
     _rss(ctx, f"{shape}_sql_rss_mb", "  … server RSS after it")
-    raw_s = [raw_gets(raw, [result], f"{shape}-sql-{i}") for i in range(3)]
     ctx.record(f"raw_{shape}_sql_mb_per_s", mb / _median(raw_s), "MB/s",
-               "  raw Flight do_get of the same result, median")
+               "  raw Flight do_get of the same result, each after its query, median")
     for name in tables:
         s.drop_table(name)
 
