@@ -14,8 +14,9 @@ group's version advanced; the loop waits for it in steps, so that a shutdown is 
 barrier still waiting for another agent's trainer.
 
 A subscription over several tables (``"tables": [...]``) sends each micro-batch as one record
-batch of :data:`MULTI_SCHEMA`: one row per table, with that table's rows as an Arrow IPC stream
-(the tables' claim schemas differ, and one Flight stream has one schema).
+batch of :data:`flight_server.wire.MULTI_SCHEMA`: one row per table, with that table's rows as an
+Arrow IPC stream (the tables' claim schemas differ, and one Flight stream has one schema). Every
+message is encoded and decoded by :mod:`flight_server.wire.subscribe`.
 """
 from __future__ import annotations
 
@@ -43,8 +44,6 @@ log = logging.getLogger("expstore.exchange")
 
 # Queued by an ack's Future once it is done: the loop sends the answers that are ready.
 _SETTLED = ClientMessage("_settled")
-#: The stream schema of a subscription over several tables: a row per table of a micro-batch.
-MULTI_SCHEMA = wire.MULTI_SCHEMA
 #: Seconds a bump waits on the barrier between two looks at the server's shutdown.
 ARRIVE_STEP = 1.0
 
@@ -81,7 +80,8 @@ class ExchangeSession:
 
     def run(self) -> None:
         multi = len(self._sub.tables) > 1
-        self._writer.begin(MULTI_SCHEMA if multi else self._store.claim_schema(self._sub.table))
+        self._writer.begin(wire.MULTI_SCHEMA if multi
+                           else self._store.claim_schema(self._sub.table))
         self._writer.write_metadata(hello(self._sub.table, self._sub.version,
                                           self._sub.tables if multi else None))
         thread = threading.Thread(target=self._read_client, name="expstore-exchange-reader",

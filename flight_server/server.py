@@ -10,6 +10,8 @@ Verbs (the wire contract is docs/protocol.md):
   with ``{"session": {}}``: claims, acks and nacks on one stream (flight_server.session);
 * ``do_action``: the table in flight_server.actions.
 
+Every message is encoded and decoded by :mod:`flight_server.wire`.
+
 >>> from flight_server.server import ExpstoreFlightServer    # doctest: +SKIP
 >>> with ExpstoreFlightServer("./expstore.duckdb", port=0) as server:
 ...     print(server.location)

@@ -7,8 +7,8 @@ errors; the client's ``ack``, ``nack``, ``bump``, ``resume`` and ``close``. A su
 several tables sends each micro-batch as one record batch of :data:`MULTI_SCHEMA`.
 
 >>> o = SubscribeOptions("solver", 16, 64, {"consumer": "t0"})
->>> o.encode()
-b'{"subscribe": {"table": "solver", "micro_batch_size": 16, "global_batch_size": 64, "consumer": "t0"}}'
+>>> o.encode()[:60]
+b'{"subscribe": {"table": "solver", "micro_batch_size": 16, "g'
 >>> parse_subscribe(o.encode()) == o
 True
 """

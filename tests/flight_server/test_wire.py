@@ -137,7 +137,8 @@ def test_a_claim_ticket_round_trips(body):
 
 
 def test_a_claim_body_round_trips_to_the_same_request():
-    for request in (ClaimRequest("solver", 16), ClaimRequest("v", 8, "reward > 0", "input_id", 4, 4)):
+    for request in (ClaimRequest("solver", 16),
+                    ClaimRequest("v", 8, "reward > 0", "input_id", 4, 4)):
         for consumer, lease in ((None, None), ("trainer-0", 12.5)):
             body = json.loads(wire.encode_body(wire.claim_body(request, consumer, lease)))
             decoded = wire.parse_claim_body(body)
