@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Sequence
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -102,7 +102,7 @@ class _DurableAnswers:
 _DURABLE = _DurableAnswers()
 
 
-def read_rows(parts: list[bytes]) -> pa.Table:
+def read_rows(parts: Sequence[bytes]) -> pa.Table:
     """The rows of a put request: its one part, an Arrow IPC stream."""
     if len(parts) != 1:
         raise InvalidArgument(f"a put request carries its rows as one part (an Arrow IPC "
@@ -206,7 +206,8 @@ class ActionSession:
         except Exception as e:  # noqa: BLE001 - every request gets an answer, errors included
             self._write(error_frame(request_id, e))
 
-    def _start_write(self, name: str, body: dict[str, Any], parts: list[bytes]) -> Future:
+    def _start_write(self, name: str, body: dict[str, Any],
+                     parts: Sequence[bytes]) -> Future:
         """Queue a put, ack or nack; its Future resolves once the write is durable."""
         if name == "put":
             self._principal.require("writer", name)

@@ -89,7 +89,7 @@ class SessionChannel:
                 raise self._error
             request_id = next(self._ids)
             self._pending[request_id] = future
-            message = SessionRequest(request_id, action, body, list(parts)).encode()
+            message = SessionRequest(request_id, action, body, parts).encode()
             try:
                 self._writer.write_metadata(message)
             except (flight.FlightError, pa.ArrowException, OSError) as e:

@@ -9,7 +9,6 @@ micro-batches).
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import queue
 import threading
@@ -178,7 +177,7 @@ class RemoteSubscription:
                 result.set_result(reply)
 
         answer.add_done_callback(unwrap)
-        message = dataclasses.replace(msg, request=request)
+        message = msg._replace(request=request)
         self._outbox.put((message.encode(), request))
         return result
 

@@ -25,7 +25,6 @@ node token over TLS (:mod:`flight_server.cluster.security`).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -278,7 +277,7 @@ class CoordinatorServer(ExpstoreFlightServer):
                  "placement": self.registry.nodes[n].get("placement"),
                  "alive": n not in self.registry.lost}
                 for n in sorted(nodes) if n in self.registry.nodes]
-        return [dataclasses.replace(header, data_nodes=data_nodes).encode(), *parts[1:]]
+        return [header._replace(data_nodes=data_nodes).encode(), *parts[1:]]
 
     # -- registry actions -------------------------------------------------------------------------
     def _action_register_node(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -13,8 +13,7 @@ A body is a JSON object (empty bytes mean ``{}``) whose fields each action lists
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -126,7 +125,7 @@ def results_bytes(result: Any) -> list[bytes]:
     return [encode_answer(result)]
 
 
-def json_result(results: list[bytes], action: str) -> Any:
+def json_result(results: Sequence[bytes], action: str) -> Any:
     """The JSON document an action answered with."""
     if not results:
         raise ExpstoreError(f"the server answered action {action!r} with no result")
@@ -171,8 +170,7 @@ def claim_many_body(requests: list[ClaimRequest], consumer: str | None,
     return body
 
 
-@dataclass(frozen=True)
-class ClaimBody:
+class ClaimBody(NamedTuple):
     """A ``claim`` or ``claim_many`` body, decoded: the requests (checked), for whom, for how
     long (None: the table's lease; checked by the store), and for a ``claim``, the claim id it
     acks first (``ack``; checked by the store)."""
@@ -200,8 +198,7 @@ def parse_claim_many_body(body: dict[str, Any]) -> ClaimBody:
                      body.get("consumer"), body.get("lease_seconds"))
 
 
-@dataclass(frozen=True)
-class ClaimHeader:
+class ClaimHeader(NamedTuple):
     """The first result of a claim: its id (``""``: nothing claimed), consumer, lease end
     (seconds since the epoch) and rows per table, in the order of the streams that follow; a
     coordinator adds ``data_nodes``, the endpoints of the nodes holding the values."""
@@ -210,7 +207,7 @@ class ClaimHeader:
     consumer: str
     expires_at: float
     tables: dict[str, int]
-    data_nodes: list[dict[str, Any]] | None = field(default=None)
+    data_nodes: list[dict[str, Any]] | None = None
 
     def encode(self) -> bytes:
         doc: dict[str, Any] = {"claim_id": self.claim_id, "consumer": self.consumer,
@@ -243,7 +240,7 @@ def claim_results(claim: Claim) -> list[bytes]:
     return [header.encode(), *(ipc_stream(t) for t in tables.values())]
 
 
-def claim_of_results(results: list[bytes]) -> Claim:
+def claim_of_results(results: Sequence[bytes]) -> Claim:
     """The :class:`Claim` of a claim's answer."""
     header = ClaimHeader.decode(results[0]) if results else None
     if header is None or len(results) - 1 != len(header.tables):

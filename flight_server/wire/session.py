@@ -9,13 +9,12 @@ shuts down sends ``{"id": null, "closing": true}``.
 >>> SessionRequest(7, "ack", {"claim_id": "c1"}).encode().to_pybytes()
 b'{"id": 7, "action": "ack", "body": {"claim_id": "c1"}}\\n'
 >>> SessionRequest.decode(b'{"id": 7, "action": "ack", "body": {"claim_id": "c1"}}\\n')
-SessionRequest(id=7, action='ack', body={'claim_id': 'c1'}, parts=[])
+SessionRequest(id=7, action='ack', body={'claim_id': 'c1'}, parts=())
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import pyarrow as pa
 
@@ -36,7 +35,7 @@ def frame(header: dict[str, Any], parts: Sequence[bytes] = ()) -> pa.Buffer:
     return pa.py_buffer(b"".join([encode_answer(header), b"\n", *parts]))
 
 
-def split_parts(sizes: Any, rest: bytes) -> list[bytes]:
+def split_parts(sizes: Any, rest: bytes) -> tuple[bytes, ...]:
     """The parts after a header, cut by its ``sizes``; InvalidArgument if they do not fit."""
     if not isinstance(sizes, list) or not all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
@@ -48,7 +47,7 @@ def split_parts(sizes: Any, rest: bytes) -> list[bytes]:
     for n in sizes:
         parts.append(rest[at:at + n])
         at += n
-    return parts
+    return tuple(parts)
 
 
 def is_session(command: bytes) -> bool:
@@ -60,14 +59,13 @@ def is_session(command: bytes) -> bool:
     return isinstance(doc, dict) and "session" in doc
 
 
-@dataclass(frozen=True)
-class SessionRequest:
+class SessionRequest(NamedTuple):
     """One request on a session. ``action`` and ``body`` are as sent until :meth:`check`."""
 
     id: Any
     action: Any
-    body: Any = field(default_factory=dict)
-    parts: list[bytes] = field(default_factory=list)
+    body: Any
+    parts: Sequence[bytes] = ()
 
     def encode(self) -> pa.Buffer:
         return frame({"id": self.id, "action": self.action, "body": self.body}, self.parts)
@@ -123,13 +121,12 @@ def closing() -> pa.Buffer:
     return frame(CLOSING)
 
 
-@dataclass(frozen=True)
-class SessionAnswer:
+class SessionAnswer(NamedTuple):
     """An answer a client received: to request ``id``, its ``parts``, or its ``error``; or
     ``closing`` (the server shuts down; no request)."""
 
     id: Any
-    parts: list[bytes] = field(default_factory=list)
+    parts: Sequence[bytes] = ()
     error: E.ExpstoreError | None = None
     closing: bool = False
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 
@@ -172,8 +172,7 @@ def reply_error(doc: dict[str, Any]) -> E.ExpstoreError | None:
 
 # -- the client's messages ---------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class ClientMessage:
+class ClientMessage(NamedTuple):
     """A message from the client: ``type`` is one of :data:`CLIENT_MESSAGES` (anything else
     is answered with an error), ``request`` the id its answer repeats."""
 

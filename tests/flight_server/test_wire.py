@@ -163,14 +163,15 @@ def test_a_fetch_ticket_round_trips(columns):
 @settings(max_examples=60, deadline=None)
 @given(request_id=st.integers(0, 2**40) | st.none(), action=names,
        body=st.dictionaries(names, json_values, max_size=4),
-       parts=st.lists(st.binary(max_size=30), max_size=3))
+       parts=st.lists(st.binary(max_size=30), max_size=3).map(tuple))
 def test_a_session_request_round_trips(request_id, action, body, parts):
     request = wire.SessionRequest(request_id, action, body, parts)
     assert wire.SessionRequest.decode(request.encode().to_pybytes()) == request
 
 
 @settings(max_examples=60, deadline=None)
-@given(request_id=st.integers(0, 2**40), parts=st.lists(st.binary(max_size=30), max_size=3))
+@given(request_id=st.integers(0, 2**40),
+       parts=st.lists(st.binary(max_size=30), max_size=3).map(tuple))
 def test_a_session_answer_round_trips(request_id, parts):
     got = wire.SessionAnswer.decode(wire_session.answer(request_id, parts).to_pybytes())
     assert got == wire.SessionAnswer(request_id, parts)
