@@ -57,20 +57,21 @@ class StoreCollector(Collector):
                                        labels=["table"])
         pending = GaugeMetricFamily("expstore_pending_rows", "rows still being generated",
                                     labels=["table"])
-        with s._lock:
-            for name, live in s._live.items():
-                version.add_metric([name], s._versions.get(live.tdef.version_group, 0))
-                ready.add_metric([name], live.ready_count)
-                processing.add_metric([name], live.leased_count)
-                pending.add_metric([name], len(live.rows) - live.ready_count - live.leased_count)
+        gauges = s.gauges()
+        for table in gauges["tables"]:
+            name = table["table"]
+            version.add_metric([name], table["version"])
+            ready.add_metric([name], table["ready"])
+            processing.add_metric([name], table["processing"])
+            pending.add_metric([name], table["pending"])
         yield from (version, ready, processing, pending)
         yield GaugeMetricFamily("expstore_writer_queue_depth", "operations waiting for the "
-                                "writer", value=s._writer.queue_depth)
+                                "writer", value=gauges["writer_queue_depth"])
         yield GaugeMetricFamily("expstore_claim_cache_bytes", "bytes of ready rows' values held "
                                 "so that claims need no DuckDB read", value=s.cache.used)
         yield GaugeMetricFamily("expstore_writer_up", "1 while the store's writer runs; 0 once "
                                 "an unexpected error stopped it (restart the server)",
-                                value=1 if s._writer.fatal is None else 0)
+                                value=1 if gauges["writer_running"] else 0)
         health = s.health()
         status = GaugeMetricFamily("expstore_health", "1, labelled with the health action's "
                                    "status (ok, failed, closed) and the cause of a failure "

@@ -14,15 +14,11 @@
 """
 from __future__ import annotations
 
-import datetime as dt
 import functools
-import heapq
 import itertools
 import logging
 import threading
 import time
-import uuid
-from collections import OrderedDict
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable, Any, Mapping
 
@@ -35,17 +31,17 @@ import pyarrow.fs as pafs
 from .barrier import DEFAULT_BARRIER_TIMEOUT, SETTING_PREFIX, Barrier, check_expected, \
     check_timeout, encode_weights, weights_of
 from .blobs import BlobStore
-from .cache import ClaimCache
 from .claims import Claim, ClaimRequest, check_consumer, check_lease_seconds
 from .errors import AlreadyExists, StoreClosed, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
     QueryBusy, QueryRefused, QueryTimeout, StorageError, TableFull, VersionConflict
+from .index import StoreIndex
 from .live import LOADING, Lease, LiveTable, Row
 from .naming import check_identifier, quote
 from .opening import connect_duckdb, ensure_catalog, run_checkpoint
 from .prepare import SMALL_ROWS, PreparedPut, check_columns, prepare_put, put_versions, \
     to_arrow_table
 from .settings import StoreSettings
-from .putlog import LeaseUpdate, PutLog, log_path, replay
+from .putlog import PutLog, log_path, replay
 from .recovery import load_state
 from .schema import TableDef
 from .sqlguard import check_select, predicate_query
@@ -75,7 +71,6 @@ class EmbeddedStore:
                  settings: StoreSettings | None = None, **options: Any) -> None:
         self.path = path
         self.settings = settings = (settings or StoreSettings()).with_options(**options)
-        self.cache = ClaimCache(settings.cache_bytes)
         self.max_live_rows = settings.max_live_rows
         self.ref_threshold = settings.ref_threshold
         self.query_timeout = settings.query_timeout
@@ -83,17 +78,6 @@ class EmbeddedStore:
         ensure_catalog(path)
         self._memory_limit = memory_limit
         self._con = connect_duckdb(path, memory_limit)
-        self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)
-        self._change_seq = 0
-        self._claims: dict[str, Lease] = {}
-        self._settling: dict[str, Any] = {}
-        self._expiry: list[tuple[float, str]] = []
-        self._row_updates: dict[str, dict[int, LeaseUpdate]] = {}
-        self._recent_acked: OrderedDict[str, int] = OrderedDict()
-        self._recent_expired: OrderedDict[str, str] = OrderedDict()
-        # claims being ended by dead_letter(): their rows settle as dead, not ready
-        self._dead_lettering: set[str] = set()
         self._query_slots = threading.BoundedSemaphore(max_concurrent_queries)
         # One reader cursor per thread, kept here (not in thread-locals) so that close() can
         # drop every one of them, also those of threads that live on (gRPC's pool).
@@ -101,7 +85,6 @@ class EmbeddedStore:
         # Cursors of SQL and claim predicates: their tables show by-reference values (see
         # store/sqlvalues.py); the store's own reads use the plain readers above.
         self._value_readers: dict[int, ValueCursor] = {}
-        self._ddl_seq = 0                 # counts table creations and drops, for those views
         self._reader_root = self._con.cursor()
         self._reader_lock = threading.Lock()
         try:
@@ -115,25 +98,15 @@ class EmbeddedStore:
         except BaseException:
             self._con.close()
             raise
-        self._live: dict[str, LiveTable] = state.live
-        self._versions: dict[str, int] = state.versions
-        self._weights: dict[str, str | None] = state.weights
-        self._barrier_timeouts: dict[str, float] = state.barrier_timeouts
-        self._barriers: dict[str, Barrier] = {}
-        self._terminal_possible: set[str] = state.terminal_possible
-        for tname, voided in state.voided.items():  # written by the writer's first group
-            self._row_updates[tname] = {u.row_id: u for u in voided}
-        for claim_id in state.ended:
-            _remember(self._recent_expired, claim_id, "the store restarted since it was "
-                      "claimed, and a restart voids every lease (leases are soft state); its "
-                      "rows are ready to be delivered again", settings.recent_claims)
-        self._closed = False
+        #: The in-memory state the writer and the reads share (see store/index.py).
+        self._index = index = StoreIndex(state, settings)
+        self.cache = index.cache
         #: Monotonic counters for monitoring (flight_server.metrics exports them).
-        self.counters: dict[str, int] = {
-            "rows_put": 0, "puts": 0, "claims": 0, "rows_claimed": 0, "acks": 0,
-            "rows_acked": 0, "nacks": 0, "leases_expired": 0, "redeliveries": 0,
-            "dead_letters": 0, "stale_rows": 0, "version_bumps": 0}
-        self._writer = Writer(self, self._con, settings, putlog)
+        self.counters = index.counters
+        self._closed = False
+        self._writer = Writer(index, self._con, settings, putlog, blobs=self.blobs,
+                              wal_path=f"{path}.wal", reopen=self._reopen_database,
+                              load_payloads=self.load_payloads)
 
     # -- tables --------------------------------------------------------------------------------
     def create_table(self, name: str, columns: Mapping[str, Any], *, if_not_exists: bool = False,
@@ -154,12 +127,12 @@ class EmbeddedStore:
 
         def run(con: duckdb.DuckDBPyConnection) -> bool:
             # SQL folds identifiers' case, quoted or not: "EXP" beside "exp" is one table to it.
-            clash = next((t for t in self._live if t.lower() == name.lower() and t != name), None)
+            clash = next((t for t in self._index.live if t.lower() == name.lower() and t != name), None)
             if clash is not None:
                 raise AlreadyExists(f"table {name!r} clashes with the existing table {clash!r}: "
                                     "table names that differ only in case are one name in SQL; "
                                     "choose another name")
-            if name in self._live:
+            if name in self._index.live:
                 if if_not_exists:
                     return False
                 raise AlreadyExists(f"table {name!r} already exists; pass if_not_exists=True to "
@@ -167,7 +140,7 @@ class EmbeddedStore:
             con.execute(tdef.ddl())
             con.execute("INSERT INTO _expstore_tables (name, definition, version_group) "
                         "VALUES (?, ?, ?)", [name, tdef.to_json(), tdef.version_group])
-            if tdef.version_group not in self._versions:
+            if tdef.version_group not in self._index.versions:
                 con.execute("INSERT INTO _expstore_groups (name, version) VALUES (?, 0)",
                             [tdef.version_group])
                 con.execute("INSERT INTO _expstore_versions (version_group, version) "
@@ -176,10 +149,7 @@ class EmbeddedStore:
 
         def apply(created: bool) -> None:
             if created:
-                self._live[name] = LiveTable(tdef)
-                self._ddl_seq += 1
-                self._versions.setdefault(tdef.version_group, 0)
-                self._weights.setdefault(tdef.version_group, None)
+                self._index.add_table(tdef)
 
         self._writer.call(CallOp(run, apply))
         return self.describe(name)
@@ -189,15 +159,15 @@ class EmbeddedStore:
         check_identifier(name, "table")
 
         def run(con: duckdb.DuckDBPyConnection) -> bool:
-            live = self._live.get(name)
+            live = self._index.live.get(name)
             if live is None:
                 if if_exists:
                     return False
-                raise self._no_table(name)
+                raise self._index.no_table(name)
             con.execute(f"DROP TABLE {quote(name)}")
             con.execute("DELETE FROM _expstore_tables WHERE name = ?", [name])
             group = live.tdef.version_group
-            if not any(t.tdef.version_group == group for n, t in self._live.items() if n != name):
+            if not any(t.tdef.version_group == group for n, t in self._index.live.items() if n != name):
                 con.execute("DELETE FROM _expstore_groups WHERE name = ?", [group])
                 con.execute("DELETE FROM _expstore_versions WHERE version_group = ?", [group])
                 con.execute("DELETE FROM _expstore_settings WHERE key = ?",
@@ -205,50 +175,36 @@ class EmbeddedStore:
             return True
 
         def apply(dropped: bool) -> None:
-            if not dropped:
-                return
-            live = self._live.pop(name)
-            self._ddl_seq += 1
-            group = live.tdef.version_group
-            if not any(t.tdef.version_group == group for t in self._live.values()):
-                self._versions.pop(group, None)
-                self._weights.pop(group, None)
-                self._barrier_timeouts.pop(group, None)
-            # (A barrier round waiting for this table is woken by the writer's notify and
-            # waits for one member fewer.)
-            for cid, lease in list(self._claims.items()):
-                lease.rows = [(t, r) for t, r in lease.rows if t is not live]
-                if not lease.rows:
-                    del self._claims[cid]
-            self._row_updates.pop(name, None)
+            if dropped:
+                self._index.drop_table(name)
 
         return bool(self._writer.call(CallOp(run, apply)))
 
     def list_tables(self) -> list[str]:
-        with self._lock:
-            return sorted(self._live)
+        with self._index.lock:
+            return sorted(self._index.live)
 
     def describe(self, name: str) -> dict[str, Any]:
         """A table's definition, current version and published weights."""
-        live = self._live_table(name)
+        live = self._index.live_table(name)
         d = live.tdef.describe()
-        d["version"] = self._versions[live.tdef.version_group]
+        d["version"] = self._index.versions[live.tdef.version_group]
         d["weights_uri"] = self.weights_uri(name)
-        d["barrier_timeout"] = self._barrier_timeouts.get(live.tdef.version_group,
+        d["barrier_timeout"] = self._index.barrier_timeouts.get(live.tdef.version_group,
                                                           DEFAULT_BARRIER_TIMEOUT)
         return d
 
     def schema(self, name: str) -> pa.Schema:
         """The Arrow schema of a table's rows as claims and reads return them."""
-        return self._live_table(name).tdef.arrow_schema()
+        return self._index.live_table(name).tdef.arrow_schema()
 
     def claim_schema(self, name: str) -> pa.Schema:
         """The Arrow schema of claimed rows (and of subscription micro-batches)."""
-        return self._live_table(name).tdef.claim_schema()
+        return self._index.live_table(name).tdef.claim_schema()
 
     def write_schema(self, name: str) -> pa.Schema:
         """The Arrow schema a producer may write (any subset of it, with ``sample_id``)."""
-        return self._live_table(name).tdef.write_schema()
+        return self._index.live_table(name).tdef.write_schema()
 
     # -- writes --------------------------------------------------------------------------------
     def put(self, table: str, data: Any, *, timeout: float | None = None) -> dict[str, Any]:
@@ -274,7 +230,7 @@ class EmbeddedStore:
         from the Future. Several writes in flight at once share group commits (the Flight server
         pipelines a stream's batches this way).
         """
-        live = self._live_table(table)
+        live = self._index.live_table(table)
         arrow = to_arrow_table(live.tdef, data)
         limit = self.max_live_rows
         if arrow.num_rows <= SMALL_ROWS:
@@ -282,14 +238,14 @@ class EmbeddedStore:
             if limit is not None and len(live.rows) + arrow.num_rows > limit:
                 self._check_room(live, self._keys_of(live, arrow), limit)
             return self._writer.submit(SmallPutOp(table, arrow))
-        prepared = self._prepare(table, arrow)
+        prepared = self._index.prepare(table, arrow)
         if limit is not None and len(live.rows) + prepared.rows > limit:
             self._check_room(live, prepared.keys, limit)
         return self._writer.submit(PutOp(prepared))
 
     def _keys_of(self, live: LiveTable, arrow: pa.Table) -> list[tuple[Any, Any]]:
         """A small put's (sample id, policy version) keys, before the writer prepares it."""
-        versions = put_versions(arrow, self._versions[live.tdef.version_group])
+        versions = put_versions(arrow, self._index.versions[live.tdef.version_group])
         return list(zip(arrow.column("sample_id").to_pylist(), versions.to_pylist()))
 
     def _check_room(self, live: LiveTable, keys: list[tuple[Any, Any]], limit: int) -> None:
@@ -307,16 +263,6 @@ class EmbeddedStore:
                 f"being processed) and this put would add {new:,}, over the store's "
                 f"max_live_rows of {limit:,}; retry once consumers have acked rows (or a version "
                 "bump has made old ones stale)")
-
-    def _prepare(self, table: str, data: Any) -> PreparedPut:
-        """Validate and convert a write to ``table`` against its current version."""
-        live = self._live_table(table)
-        return prepare_put(live.tdef, data, self._versions[live.tdef.version_group],
-                           self.ref_threshold)
-
-    def _count_put(self, rows: int, puts: int = 1) -> None:
-        self.counters["puts"] += puts
-        self.counters["rows_put"] += rows
 
     # -- claims --------------------------------------------------------------------------------
     def claim(self, table: str, limit: int, *, where: str | None = None,
@@ -380,15 +326,15 @@ class EmbeddedStore:
                                   "per table")
         check_lease_seconds(lease_seconds)
         owner = check_consumer(consumer)
-        lives = [self._live_table(r.table) for r in requests]
+        lives = [self._index.live_table(r.table) for r in requests]
         accepted: list[set[int] | None] = []
         for req, live in zip(requests, lives):
             accepted.append(None if req.where is None else self._accepted(req, live))
-        with self._lock:
+        with self._index.lock:
             picks: list[list[Row]] = []
             for req, live, ok in zip(requests, lives, accepted):
-                if self._live.get(req.table) is not live:
-                    raise self._no_table(req.table)
+                if self._index.live.get(req.table) is not live:
+                    raise self._index.no_table(req.table)
                 rows = live.select(req.limit, req.group_size,
                                    None if ok is None else _member_of(ok))
                 if len(rows) < req.min_rows:
@@ -397,20 +343,7 @@ class EmbeddedStore:
                         for live in lives})
                 picks.append(rows)
             seconds = lease_seconds or max(live.tdef.lease_seconds for live in lives)
-            lease = Lease(uuid.uuid4().hex, owner, time.time() + seconds, [])
-            expires = dt.datetime.fromtimestamp(lease.expires_at, dt.timezone.utc)
-            for live, rows in zip(lives, picks):
-                pending = self._row_updates.setdefault(live.tdef.name, {})
-                for row in rows:
-                    live.lease_row(row, lease)
-                    lease.rows.append((live, row))
-                    pending[row.row_id] = LeaseUpdate(row.row_id, True, lease.claim_id, owner,
-                                                      expires, row.deliveries, False, False)
-            self._claims[lease.claim_id] = lease
-            heapq.heappush(self._expiry, (lease.expires_at, lease.claim_id))
-            self.counters["claims"] += 1
-            self.counters["rows_claimed"] += len(lease.rows)
-            self.counters["redeliveries"] += sum(1 for _, r in lease.rows if r.deliveries > 1)
+            lease = self._index.lease(owner, seconds, list(zip(lives, picks)))
         self._writer.poke()
         try:
             tables = {live.tdef.name: self._fetch(live, rows) for live, rows in zip(lives, picks)}
@@ -421,16 +354,8 @@ class EmbeddedStore:
 
     def _release_unread(self, lease: Lease) -> None:
         """Give back rows whose data could not be read, without counting a delivery."""
-        with self._lock:
-            if self._claims.pop(lease.claim_id, None) is None:
-                return
-            for live, row in lease.rows:
-                row.deliveries -= 1
-                live.release(row)
-                self._row_updates.setdefault(live.tdef.name, {})[row.row_id] = \
-                    LeaseUpdate.released(row.row_id, row.deliveries)
-            self._notify()
-        self._writer.poke()
+        if self._index.release_unread(lease):
+            self._writer.poke()
 
     def _accepted(self, req: ClaimRequest, live: LiveTable) -> set[int]:
         """Ready rows satisfying a claim's predicate: enough of the first ready rows for the
@@ -454,7 +379,7 @@ class EmbeddedStore:
         deadline = self._take_query_slot(limit, f"claim predicate {req.where[:200]!r}")
         try:
             while True:
-                with self._lock:
+                with self._index.lock:
                     ready = live.ready_count
                     prefix = live.ready_rows(max(min(want, ready), 1))
                 fresh = [r.row_id for r in prefix if r.row_id not in asked]
@@ -577,7 +502,7 @@ class EmbeddedStore:
         cfg = self.settings
         want = cfg.load_ahead_first_rows if live.row_bytes is None else \
             max(1, min(cfg.load_ahead_rows, cfg.load_ahead_bytes // max(1, live.row_bytes)))
-        with self._lock:
+        with self._index.lock:
             ahead = [r for r in live.ready_rows(want) if r.payload is None]
             reading = claimed + ahead
             for r in reading:
@@ -586,7 +511,7 @@ class EmbeddedStore:
         try:
             loaded = self.load_payloads(live, [r.row_id for r in reading])
         finally:
-            with self._lock:
+            with self._index.lock:
                 for r in reading:
                     if r.payload is LOADING:
                         r.payload = loaded.get(r.row_id)
@@ -643,13 +568,8 @@ class EmbeddedStore:
         caller claims exactly those rows, records why, and ends the claim here; durable on
         return (see flight_server/coordinator.py).
         """
-        with self._lock:
-            self._dead_lettering.add(claim_id)
-        try:
+        with self._index.dead_lettering(claim_id):
             answer = self._settle(claim_id, ack=False)
-        finally:
-            with self._lock:
-                self._dead_lettering.discard(claim_id)
         return {"claim_id": claim_id, "dead": answer["nacked"]}
 
     def ack_async(self, claim_id: str) -> Future:
@@ -670,30 +590,28 @@ class EmbeddedStore:
     def _settle_async(self, claim_id: str, ack: bool) -> Future:
         if not isinstance(claim_id, str) or not claim_id:
             raise InvalidArgument(f"claim id {claim_id!r} is not a non-empty string")
-        with self._lock:
-            lease = self._claims.get(claim_id)
-            if lease is not None and lease.state == Lease.ACTIVE and lease.expires_at <= time.time():
-                self._expire(lease)
-                lease = None
+        with self._index.lock:
+            lease = self._index.active_lease(claim_id)
             if lease is None:
-                if claim_id in self._recent_acked:
+                recently_acked = self._index.recently_acked(claim_id)
+                if recently_acked is not None:
                     if ack:
-                        return _done({"claim_id": claim_id, "acked": self._recent_acked[claim_id],
+                        return _done({"claim_id": claim_id, "acked": recently_acked,
                                       "duplicate": True})
                     raise LeaseExpired(f"claim {claim_id!r} was already acked; it cannot be "
                                        "nacked")
-                if claim_id in self._recent_expired:
+                why = self._index.why_ended(claim_id)
+                if why is not None:
                     raise LeaseExpired(f"claim {claim_id!r} ended before this "
-                                       f"{'ack' if ack else 'nack'}: "
-                                       f"{self._recent_expired[claim_id]}")
+                                       f"{'ack' if ack else 'nack'}: {why}")
             elif lease.state == Lease.SETTLING:
-                return self._settling[claim_id]
+                return self._index.settling[claim_id]
             else:
                 lease.state = Lease.SETTLING
                 # The caller's Future resolves only after a failed commit has put the lease
                 # back, so that a retry finds it leased, not still settling.
                 answer: Future = Future()
-                self._settling[claim_id] = answer
+                self._index.settling[claim_id] = answer
                 self._writer.submit(SettleOp(lease, ack)).add_done_callback(
                     lambda done: self._settle_done(lease, done, answer))
                 return answer
@@ -710,10 +628,10 @@ class EmbeddedStore:
         if error is None:
             answer.set_result(done.result())
             return
-        with self._lock:
-            if lease.state == Lease.SETTLING and self._claims.get(lease.claim_id) is lease:
+        with self._index.lock:
+            if lease.state == Lease.SETTLING and self._index.claims.get(lease.claim_id) is lease:
                 lease.state = Lease.ACTIVE
-            self._settling.pop(lease.claim_id, None)
+            self._index.settling.pop(lease.claim_id, None)
         answer.set_exception(error)
 
     def _acked_before(self, claim_id: str) -> int:
@@ -728,114 +646,10 @@ class EmbeddedStore:
         return total
 
     # -- called by the writer (lock held unless said) ----------------------------------------------
-    def _settle_plan(self, lease: Lease, ack: bool) -> dict[str, list[tuple[Row, str]]]:
-        plan: dict[str, list[tuple[Row, str]]] = {}
-        for live, row in lease.rows:
-            if ack:
-                outcome = "consumed"
-            elif lease.claim_id in self._dead_lettering:
-                outcome = "dead"
-            elif row.version < self._versions.get(live.tdef.version_group, 0) \
-                    - live.tdef.max_staleness:
-                outcome = "stale"
-            elif row.deliveries >= live.tdef.max_deliveries:
-                outcome = "dead"
-            else:
-                outcome = "ready"
-            plan.setdefault(live.tdef.name, []).append((row, outcome))
-        return plan
-
-    def _settled(self, lease: Lease, plan: dict[str, list[tuple[Row, str]]], how: str) -> None:
-        """Apply a settled lease to memory; ``how`` is "ack", "nack" or "expired"."""
-        self._claims.pop(lease.claim_id, None)
-        self._settling.pop(lease.claim_id, None)
-        for tname, rows in plan.items():
-            live = self._live.get(tname)
-            if live is None:
-                continue
-            self._terminal_possible.add(tname)
-            for row, outcome in rows:
-                if outcome == "ready":
-                    live.release(row)
-                else:
-                    live.forget(row)
-                    if outcome in ("dead", "stale"):
-                        self.counters["dead_letters" if outcome == "dead" else "stale_rows"] += 1
-        if how == "ack":
-            self.counters["acks"] += 1
-            self.counters["rows_acked"] += len(lease.rows)
-            _remember(self._recent_acked, lease.claim_id, len(lease.rows),
-                      self.settings.recent_claims)
-        elif how == "nack":
-            self.counters["nacks"] += 1
-            _remember(self._recent_expired, lease.claim_id, _ended("it was nacked", plan),
-                      self.settings.recent_claims)
-        else:
-            self.counters["leases_expired"] += 1
-            _remember(self._recent_expired, lease.claim_id, _ended("its lease expired", plan),
-                      self.settings.recent_claims)
-
-    def _expire(self, lease: Lease) -> None:
-        """End an expired lease (lock held): rows ready again, or dead/stale."""
-        plan = self._settle_plan(lease, ack=False)
-        for tname, rows in plan.items():
-            pending = self._row_updates.setdefault(tname, {})
-            for row, outcome in rows:
-                pending[row.row_id] = LeaseUpdate.released(
-                    row.row_id, row.deliveries, stale=outcome == "stale", dead=outcome == "dead")
-        self._settled(lease, plan, "expired")
-        self._notify()
-
-    def _expire_leases(self) -> None:
-        now = time.time()
-        expired = False
-        with self._lock:
-            while self._expiry and self._expiry[0][0] <= now:
-                _, cid = heapq.heappop(self._expiry)
-                lease = self._claims.get(cid)
-                if lease is not None and lease.state == Lease.ACTIVE and lease.expires_at <= now:
-                    self._expire(lease)
-                    expired = True
-        if expired:
-            log.info("leases expired; their rows are ready again")
-
-    def _next_expiry_in(self) -> float | None:
-        with self._lock:
-            if not self._expiry:
-                return None
-            return max(0.0, self._expiry[0][0] - time.time())
-
-    def _has_pending_row_updates(self) -> bool:
-        with self._lock:
-            return any(self._row_updates.values())
-
-    def _take_row_updates(self) -> dict[str, list[LeaseUpdate]]:
-        with self._lock:
-            updates = {t: list(rows.values()) for t, rows in self._row_updates.items() if rows}
-            self._row_updates = {}
-        return updates
-
-    def _requeue_row_updates(self, updates: dict[str, list[LeaseUpdate]]) -> None:
-        """Put back bookkeeping a failed transaction had taken (newer entries win)."""
-        with self._lock:
-            for tname, rows in updates.items():
-                if tname not in self._live:
-                    continue
-                pending = self._row_updates.setdefault(tname, {})
-                for entry in rows:
-                    pending.setdefault(entry.row_id, entry)
-
-    def _may_have_terminal_rows(self, table: str) -> bool:
-        return table in self._terminal_possible
-
-    def _notify(self) -> None:
-        self._change_seq += 1
-        self._changed.notify_all()
-
     # -- versions ---------------------------------------------------------------------------------
     def get_version(self, table: str) -> int:
-        live = self._live_table(table)
-        return self._versions[live.tdef.version_group]
+        live = self._index.live_table(table)
+        return self._index.versions[live.tdef.version_group]
 
     def bump_version(self, table: str, *, expected: int | None = None,
                      weights_uri: str | None = None) -> int:
@@ -847,7 +661,7 @@ class EmbeddedStore:
         Raises:
             VersionConflict: ``expected`` is not the current version.
         """
-        live = self._live_table(table)
+        live = self._index.live_table(table)
         if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool)):
             raise InvalidArgument(f"expected version {expected!r} is not an integer")
         if weights_uri is not None and not isinstance(weights_uri, str):
@@ -861,22 +675,22 @@ class EmbeddedStore:
         """
         if self._closed:
             raise StoreClosed("the store is closed")
-        live = self._live_table(table)
+        live = self._index.live_table(table)
         group = live.tdef.version_group
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._changed:
-            while self._versions.get(group, -1) < min_version and not self._closed:
+        with self._index.changed:
+            while self._index.versions.get(group, -1) < min_version and not self._closed:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     break
-                self._changed.wait(remaining if remaining is not None else 1.0)
-            return self._versions.get(group, -1)
+                self._index.changed.wait(remaining if remaining is not None else 1.0)
+            return self._index.versions.get(group, -1)
 
     def weights_uri(self, table: str) -> str | None:
         """Where the table's trainer published the weights of the current version (its own
         URI after a barrier bump, the group's after ``bump_version``)."""
-        live = self._live_table(table)
-        return weights_of(self._weights.get(live.tdef.version_group), table)
+        live = self._index.live_table(table)
+        return weights_of(self._index.weights.get(live.tdef.version_group), table)
 
     # -- the barrier (unified weight updating; see store/barrier.py) ------------------------------
     def arrive(self, tables: str | list[str], *, expected: int,
@@ -916,18 +730,18 @@ class EmbeddedStore:
             raise InvalidArgument("arrive needs at least one table")
         group = self._group_of(names)
         caller_deadline = None if timeout is None else time.monotonic() + timeout
-        with self._changed:
+        with self._index.changed:
             while True:
                 if self._closed:
                     raise StoreClosed("the store is closed")
                 now = time.monotonic()
-                current = self._versions.get(group)
+                current = self._index.versions.get(group)
                 if current is None:
                     raise NotFound(f"version group {group!r} does not exist")
-                barrier = self._barriers.get(group)
+                barrier = self._index.barriers.get(group)
                 if barrier is not None and (barrier.expected < current
                                             or barrier.forgotten(now)):
-                    del self._barriers[group]
+                    del self._index.barriers[group]
                     barrier = None
                 if current == expected + 1:
                     return {"version": current, "complete": True, "waiting_for": []}
@@ -936,15 +750,15 @@ class EmbeddedStore:
                         f"version of {group!r} is {current}, not the expected {expected}: "
                         f"table(s) {names} cannot arrive at version {expected}")
                 if barrier is None:
-                    barrier = Barrier(group, expected, self._barrier_timeouts.get(
+                    barrier = Barrier(group, expected, self._index.barrier_timeouts.get(
                         group, DEFAULT_BARRIER_TIMEOUT))
-                    self._barriers[group] = barrier
+                    self._index.barriers[group] = barrier
                 if barrier.failed is not None:
                     barrier.told.update(names)
                     raise _fresh(barrier.failed)
                 for name in names:
                     barrier.arrived.setdefault(name, weights_uri)
-                members = self._members(group)
+                members = self._index.members(group)
                 missing = barrier.missing(members)
                 if not missing and not barrier.bumping:
                     barrier.bumping = True
@@ -952,7 +766,7 @@ class EmbeddedStore:
                 if missing and now >= barrier.deadline:
                     error = barrier.fail(members, now)
                     barrier.told.update(names)
-                    self._notify()
+                    self._index.notify()
                     raise _fresh(error)
                 if caller_deadline is not None and now >= caller_deadline:
                     return {"version": current, "complete": False, "waiting_for": missing}
@@ -960,19 +774,19 @@ class EmbeddedStore:
                 wait = barrier.deadline - now if missing else 1.0
                 if caller_deadline is not None:
                     wait = min(wait, caller_deadline - now)
-                self._changed.wait(max(wait, 0.0))
+                self._index.changed.wait(max(wait, 0.0))
         # The last member arrived: bump once, for the whole group, outside the lock.
         try:
             new = int(self._writer.call(BumpOp(group, expected,
                                                encode_weights(barrier.arrived))))
         except ExpstoreError as e:
-            with self._changed:
-                if self._versions.get(group, -1) > expected:  # bumped meanwhile
-                    return {"version": self._versions[group], "complete": True,
+            with self._index.changed:
+                if self._index.versions.get(group, -1) > expected:  # bumped meanwhile
+                    return {"version": self._index.versions[group], "complete": True,
                             "waiting_for": []}
                 barrier.failed, barrier.failed_at = e, time.monotonic()
                 barrier.told.update(names)
-                self._notify()
+                self._index.notify()
             raise
         return {"version": new, "complete": True, "waiting_for": []}
 
@@ -980,14 +794,14 @@ class EmbeddedStore:
         """Set how long the barrier of the table's version group waits for its last member,
         counted from a round's first arrival (durable; default 600 s)."""
         seconds = check_timeout(seconds)
-        group = self._live_table(table).tdef.version_group
+        group = self._index.live_table(table).tdef.version_group
 
         def run(con: duckdb.DuckDBPyConnection) -> None:
             con.execute("INSERT OR REPLACE INTO _expstore_settings (key, value) VALUES (?, ?)",
                         [SETTING_PREFIX + group, repr(seconds)])
 
         def apply(_: None) -> None:
-            self._barrier_timeouts[group] = seconds
+            self._index.barrier_timeouts[group] = seconds
 
         self._writer.call(CallOp(run, apply))
         return seconds
@@ -995,26 +809,23 @@ class EmbeddedStore:
     def barrier(self, table: str) -> dict[str, Any]:
         """The state of the table's version group's barrier: ``{"version_group", "version",
         "members", "arrived", "waiting_for", "timeout", "seconds_left", "failed"}``."""
-        group = self._live_table(table).tdef.version_group
-        with self._lock:
-            members = self._members(group)
-            barrier = self._barriers.get(group)
-            timeout = self._barrier_timeouts.get(group, DEFAULT_BARRIER_TIMEOUT)
-            out: dict[str, Any] = {"version_group": group, "version": self._versions[group],
+        group = self._index.live_table(table).tdef.version_group
+        with self._index.lock:
+            members = self._index.members(group)
+            barrier = self._index.barriers.get(group)
+            timeout = self._index.barrier_timeouts.get(group, DEFAULT_BARRIER_TIMEOUT)
+            out: dict[str, Any] = {"version_group": group, "version": self._index.versions[group],
                                    "members": members, "arrived": [], "waiting_for": [],
                                    "timeout": timeout, "seconds_left": None, "failed": None}
-            if barrier is not None and barrier.expected == self._versions[group]:
+            if barrier is not None and barrier.expected == self._index.versions[group]:
                 out.update(arrived=sorted(barrier.arrived),
                            waiting_for=barrier.missing(members),
                            seconds_left=max(0.0, barrier.deadline - time.monotonic()),
                            failed=None if barrier.failed is None else str(barrier.failed))
             return out
 
-    def _members(self, group: str) -> list[str]:
-        return sorted(n for n, live in self._live.items() if live.tdef.version_group == group)
-
     def _group_of(self, tables: list[str]) -> str:
-        groups = {name: self._live_table(name).tdef.version_group for name in tables}
+        groups = {name: self._index.live_table(name).tdef.version_group for name in tables}
         if len(set(groups.values())) != 1:
             raise InvalidArgument(f"tables {groups} are in different version groups; one "
                                   "arrival (or subscription) covers tables of one group")
@@ -1022,19 +833,19 @@ class EmbeddedStore:
 
     def wait_changed(self, since: int, timeout: float) -> int:
         """Block until something changed after change number ``since`` (for subscriptions)."""
-        with self._changed:
-            if self._change_seq == since and not self._closed:
-                self._changed.wait(timeout)
-            return self._change_seq
+        with self._index.changed:
+            if self._index.change_seq == since and not self._closed:
+                self._index.changed.wait(timeout)
+            return self._index.change_seq
 
     @property
     def change_seq(self) -> int:
-        return self._change_seq
+        return self._index.change_seq
 
     def wake(self) -> None:
         """Wake everything blocked in :meth:`wait_changed` (e.g. a message arrived)."""
-        with self._changed:
-            self._notify()
+        with self._index.changed:
+            self._index.notify()
 
     # -- SQL ----------------------------------------------------------------------------------------
     def query(self, sql: str, params: list[Any] | None = None, *,
@@ -1115,8 +926,8 @@ class EmbeddedStore:
                     raise StoreClosed("the store is closed")
                 values = self._value_readers[ident] = self._views.cursor(
                     self._reader_root.cursor())
-        with self._lock:
-            seq, tables = self._ddl_seq, [live.tdef for live in self._live.values()]
+        with self._index.lock:
+            seq, tables = self._index.ddl_seq, [live.tdef for live in self._index.live.values()]
         try:
             self._views.refresh(values, tables, seq)
         except duckdb.Error as e:
@@ -1144,26 +955,26 @@ class EmbeddedStore:
         names = [table] if table is not None else self.list_tables()
         out: dict[str, Any] = {}
         for name in names:
-            live = self._live_table(name)
+            live = self._index.live_table(name)
             out[name] = self._writer.call(ReadOp(functools.partial(self._table_stats, live)))
         return out
 
     def _table_stats(self, live: LiveTable, con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
         """One table's stats, on the writer thread between two groups (see ReadOp)."""
         name = live.tdef.name
-        if self._live.get(name) is not live:
-            raise self._no_table(name)  # dropped since stats() looked it up
+        if self._index.live.get(name) is not live:
+            raise self._index.no_table(name)  # dropped since stats() looked it up
         per_version = con.execute(
             f"SELECT policy_version, count(*), count(*) FILTER (WHERE consumed), "
             f"count(*) FILTER (WHERE stale AND NOT consumed), "
             f"count(*) FILTER (WHERE dead AND NOT consumed AND NOT stale) "
             f"FROM {quote(name)} GROUP BY 1 ORDER BY 1").fetchall()
-        with self._lock:
+        with self._index.lock:
             ready, processing = live.ready_count, live.leased_count
             live_rows = len(live.rows)
-            version = self._versions[live.tdef.version_group]
+            version = self._index.versions[live.tdef.version_group]
             # Expired leases' stale/dead rows left memory; their flags are not written yet.
-            unflushed = list(self._row_updates.get(name, {}).values())
+            unflushed = self._index.unwritten_row_updates(name)
         total, consumed, stale, dead = (sum(int(r[i]) for r in per_version) for i in (1, 2, 3, 4))
         stale += sum(1 for u in unflushed if u.stale)
         dead += sum(1 for u in unflushed if u.dead and not u.stale)
@@ -1177,10 +988,10 @@ class EmbeddedStore:
     def leases(self, table: str | None = None) -> list[dict[str, Any]]:
         """The claims currently leased: id, owner, expiry, rows per table."""
         if table is not None:
-            self._live_table(table)  # an unknown table is an error, as for stats()
-        with self._lock:
+            self._index.live_table(table)  # an unknown table is an error, as for stats()
+        with self._index.lock:
             out = []
-            for lease in self._claims.values():
+            for lease in self._index.claims.values():
                 tables: dict[str, int] = {}
                 for live, _ in lease.rows:
                     tables[live.tdef.name] = tables.get(live.tdef.name, 0) + 1
@@ -1197,7 +1008,7 @@ class EmbeddedStore:
         def run(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
             self.blobs.roll()
             live_segments: set[int] = set()
-            for live in self._live.values():
+            for live in self._index.live.values():
                 for c in live.tdef.columns:
                     if c.ref:
                         rows = con.execute(
@@ -1230,7 +1041,7 @@ class EmbeddedStore:
         failed = fatal is not None or fault is not None
         out: dict[str, Any] = {
             "status": "closed" if self._closed else "failed" if failed else "ok",
-            "tables": len(self._live), "commits": writer.commits,
+            "tables": len(self._index.live), "commits": writer.commits,
             "claim_cache_bytes": self.cache.used, "claim_cache_limit": self.cache.limit}
         if fatal is not None:
             out["error"] = repr(fatal)
@@ -1238,6 +1049,13 @@ class EmbeddedStore:
             out["error"] = f"the database cannot be written: {fault.cause}"
             out["storage"] = fault.describe(writer.waiting_changes)
         return out
+
+    def gauges(self) -> dict[str, Any]:
+        """What monitoring samples (see flight_server/metrics.py): per table its version and
+        rows ready, processing and pending; the writer's queue depth and whether it runs."""
+        writer = self._writer
+        return {"tables": self._index.table_gauges(), "writer_queue_depth": writer.queue_depth,
+                "writer_running": writer.fatal is None}
 
     def _reopen_database(self) -> duckdb.DuckDBPyConnection:
         """Close every connection to the database and open it again (the writer calls this
@@ -1259,8 +1077,8 @@ class EmbeddedStore:
         if self._closed:
             return
         self._closed = True
-        with self._changed:
-            self._changed.notify_all()
+        with self._index.changed:
+            self._index.changed.notify_all()
         self._writer.close()  # applies what waits in the put log first, then closes it
         try:
             run_checkpoint(self._con)
@@ -1290,18 +1108,6 @@ class EmbeddedStore:
         self.close()
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _live_table(self, name: str) -> LiveTable:
-        live = self._live.get(name) if isinstance(name, str) else None
-        if live is None:
-            if isinstance(name, str):
-                check_identifier(name, "table")
-            raise self._no_table(name)
-        return live
-
-    def _no_table(self, name: object) -> NotFound:
-        return NotFound(f"table {name!r} does not exist; tables: {self.list_tables()}")
-
-
 _ONES = pa.array(np.ones(1024, np.int32))
 
 
@@ -1366,32 +1172,6 @@ def _fills(prefix: list[Row], matched: set[int], limit: int, group_size: int | N
 
 def _member_of(row_ids: set[int]) -> Callable[[Row], bool]:
     return lambda row: row.row_id in row_ids
-
-
-def _ended(how: str, plan: dict[str, list[tuple[Row, str]]]) -> str:
-    """Why a claim ended and what became of its rows, for a late ack or nack of it: a row
-    dead-lettered or made stale is never delivered again, and the answer says so."""
-    outcomes: dict[str, int] = {}
-    for rows in plan.values():
-        for _, outcome in rows:
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    fates = []
-    if outcomes.get("ready"):
-        fates.append(f"{outcomes['ready']} ready to be delivered again")
-    if outcomes.get("dead"):
-        fates.append(f"{outcomes['dead']} dead: dead-lettered after reaching the table's "
-                     "max_deliveries, never delivered again")
-    if outcomes.get("stale"):
-        fates.append(f"{outcomes['stale']} stale: older than the staleness bound, never "
-                     "delivered again")
-    return f"{how}; of its rows, {', '.join(fates)}" if fates else how
-
-
-def _remember(d: OrderedDict, key: str, value: Any, limit: int) -> None:
-    d[key] = value
-    d.move_to_end(key)
-    while len(d) > limit:
-        d.popitem(last=False)
 
 
 def _fresh(error: Exception) -> Exception:

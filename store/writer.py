@@ -26,14 +26,15 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .blobs import keys_for
+from .blobs import BlobStore, keys_for
+from .index import StoreIndex
 from .errors import ExpstoreError, NotFound, StaleVersion, StorageError, StorageUnavailable, \
     StoreClosed, VersionConflict
 from .live import LEASED, Lease, LiveTable, Row, RowBlock
@@ -47,8 +48,8 @@ from .settings import StoreSettings
 from .storage_fault import StorageFault
 from .types import one_array
 
-if TYPE_CHECKING:
-    from .embedded import EmbeddedStore
+#: Rows' claimable values by row id: a cached Arrow table and the row's index in it.
+Payloads = dict[int, tuple[pa.Table, int]]
 
 log = logging.getLogger("expstore.writer")
 
@@ -171,9 +172,16 @@ class _Txn:
 class Writer:
     """Runs in its own thread; see the module docstring."""
 
-    def __init__(self, store: "EmbeddedStore", con: duckdb.DuckDBPyConnection,
-                 settings: StoreSettings, putlog: PutLog | None = None) -> None:
-        self._store = store
+    def __init__(self, index: StoreIndex, con: duckdb.DuckDBPyConnection,
+                 settings: StoreSettings, putlog: PutLog | None = None, *, blobs: BlobStore,
+                 wal_path: str, reopen: Callable[[], duckdb.DuckDBPyConnection],
+                 load_payloads: Callable[[LiveTable, list[int]], Payloads]) -> None:
+        self._index = index
+        self._blobs = blobs
+        # Close every connection to the database and open it again (see _reopen).
+        self._reopen_database = reopen
+        # Read rows' claimable values from DuckDB into the claim cache (see _fill_payloads).
+        self._load_payloads = load_payloads
         self._settings = settings
         self._con = con
         self._putlog = putlog
@@ -204,7 +212,7 @@ class Writer:
         self._checkpoint_io = ThreadPoolExecutor(max_workers=1,
                                                  thread_name_prefix="expstore-checkpoint")
         self._checkpointing: Future | None = None
-        self._wal_path = f"{store.path}.wal"
+        self._wal_path = wal_path
         self._wal_retry_at = 0.0  # after a deferred checkpoint of a full WAL, when to try again
         # Whether the WAL may have reached settings.wal_checkpoint_bytes since it was last measured: only
         # the writer's DuckDB commits grow it, so groups made durable in the put log (a
@@ -311,7 +319,7 @@ class Writer:
 
     def _serve(self) -> None:
         while True:
-            timeout = self._store._next_expiry_in()
+            timeout = self._index.next_expiry_in()
             idle = self._settings.checkpoint_idle_seconds
             timeout = idle if timeout is None else min(timeout, idle)
             if self._flush_due is not None:
@@ -327,12 +335,12 @@ class Writer:
                 if first is _WAKE:
                     continue
             except queue.Empty:
-                self._store._expire_leases()
+                self._index.expire_leases()
                 if self._fault is not None:
                     self._recover()  # nothing else touches DuckDB meanwhile
                     continue
                 due = self._flush_due is not None and time.monotonic() >= self._flush_due
-                if due or (self._flush_due is None and self._store._has_pending_row_updates()):
+                if due or (self._flush_due is None and self._index.has_pending_row_updates()):
                     self._flush_due = None
                     self._run_group([])
                 if self._materialize_due():
@@ -353,7 +361,7 @@ class Writer:
                     stop = True
                 elif isinstance(nxt, Op):
                     ops.append(nxt)
-            self._store._expire_leases()
+            self._index.expire_leases()
             if self._fault is not None and not self._recover(force=stop):
                 error = self._fault.error(len(self._logged))
                 for op in ops:  # queued before the store knew: refused as later ones are
@@ -363,7 +371,7 @@ class Writer:
                     return
                 continue
             self._flush_due = None  # this group writes any pending lease bookkeeping too
-            if ops or self._store._has_pending_row_updates():
+            if ops or self._index.has_pending_row_updates():
                 for part in _reads_apart(ops):
                     if isinstance(part, ReadOp):
                         self._read(part)
@@ -453,7 +461,7 @@ class Writer:
             except Exception:  # noqa: BLE001 - it failed on the invalid database: expected
                 pass
             self._checkpointing = None
-        self._con = self._store._reopen_database()
+        self._con = self._reopen_database()
         # The changes logged before may have reached DuckDB's WAL in the COMMIT that failed.
         self._replay_logged = bool(self._logged)
         self._wal_may_be_full = True
@@ -554,7 +562,7 @@ class Writer:
     def _run_group(self, ops: list[Op]) -> None:
         given = len(ops)
         ops = self._prepare_small(ops)
-        if given and not ops and not self._store._has_pending_row_updates():
+        if given and not ops and not self._index.has_pending_row_updates():
             return  # every put of the group was refused: nothing to commit
         logged = self._log_puts(ops)
         if logged is not None:
@@ -618,19 +626,19 @@ class Writer:
         return out
 
     def _prepare_run(self, run: list[SmallPutOp]) -> list[Op]:
-        store = self._store
+        index = self._index
         if len(run) > 1:
             try:
                 merged = pa.concat_tables([op.data for op in run])
                 # Two puts of one sample stay apart: prepare would merge them into one row.
                 if pc.count_distinct(merged.column("sample_id")).as_py() == merged.num_rows:
-                    return [MergedPutOp(store._prepare(run[0].table, merged), run)]
+                    return [MergedPutOp(index.prepare(run[0].table, merged), run)]
             except Exception:  # noqa: BLE001 - one of them is bad: prepare each to find it
                 pass
         out: list[Op] = []
         for op in run:
             try:
-                put = PutOp(store._prepare(op.table, op.data))
+                put = PutOp(index.prepare(op.table, op.data))
             except Exception as e:  # noqa: BLE001 - handed to this put's caller
                 _fail(op, e)
                 continue
@@ -650,18 +658,18 @@ class Writer:
         return out
 
     def _fill_payloads(self, txn: _Txn) -> None:
-        if not txn.need_payload or self._store.cache.full:
+        if not txn.need_payload or self._index.cache.full:
             return  # full: claims read these rows from DuckDB
         by_table: dict[int, tuple[LiveTable, list[Row]]] = {}
         for live, row in txn.need_payload:
             by_table.setdefault(id(live), (live, []))[1].append(row)
         for live, rows in by_table.values():
             try:
-                loaded = self._store.load_payloads(live, [r.row_id for r in rows])
+                loaded = self._load_payloads(live, [r.row_id for r in rows])
             except Exception as e:  # noqa: BLE001 - claims read the rows themselves then
                 log.warning("could not cache claimable rows of %r: %s", live.tdef.name, e)
                 continue
-            with self._store._lock:
+            with self._index.lock:
                 for row in rows:
                     if row.payload is None:
                         row.payload = loaded.get(row.row_id)
@@ -670,17 +678,17 @@ class Writer:
         """Drop the cached values of rows just applied from the put log, newest first, while the
         claim cache is over its limit: DuckDB can serve them now."""
         values, self._logged_values = self._logged_values, []
-        store = self._store
-        if not store.cache.full:
+        index = self._index
+        if not index.cache.full:
             return
-        with store._lock:
-            while values and store.cache.full:
+        with index.lock:
+            while values and index.cache.full:
                 live, keys, table = values.pop()
                 live.evict(keys, table)
                 del table  # the last reference: the cache counts its bytes back now
 
     def _transaction(self, ops: list[Op]) -> tuple[list[Any], _Txn]:
-        store = self._store
+        index = self._index
         con = self._con
         txn = _Txn()
         results: list[Any] = [None] * len(ops)
@@ -698,13 +706,13 @@ class Writer:
                 self._putlog.sync_cut()  # see PutLog.clear
             con.execute("BEGIN TRANSACTION")
             # first: changes stay in order
-            apply_records(con, self._logged, store._live, replaying=self._replay_logged)
+            apply_records(con, self._logged, index.live, replaying=self._replay_logged)
             in_ops = True
             blob_write = self._start_blob_write(txn, ops)
             self._run_ops(txn, ops, results)
             self._row_updates(txn)
             if blob_write is None:
-                store.blobs.sync()
+                self._blobs.sync()
             else:
                 writing: Future = blob_write
                 blob_write = None  # finished once result() returns or raises
@@ -719,9 +727,9 @@ class Writer:
                     blob_write.result()
                 except Exception:  # noqa: BLE001 - the statement's error is the one raised
                     pass
-            store.blobs.rollback()
+            self._blobs.rollback()
             if txn.row_updates:
-                store._requeue_row_updates(txn.row_updates)
+                index.requeue_row_updates(txn.row_updates)
             try:
                 con.execute("ROLLBACK")
             except duckdb.Error:
@@ -749,11 +757,11 @@ class Writer:
 
     def _apply(self, txn: _Txn) -> None:
         """A durable group's effects on memory (its COMMIT or its log append happened)."""
-        store = self._store
-        with store._lock:
+        index = self._index
+        with index.lock:
             for effect in txn.applies:
                 effect()
-            store._notify()
+            index.notify()
 
     def _run_ops(self, txn: _Txn, ops: list[Op], results: list[Any]) -> None:
         """Run a group's operations in order (consecutive puts together)."""
@@ -796,8 +804,8 @@ class Writer:
         falls back whole; chunks it wrote stay unreferenced, as after a failed COMMIT.
         """
         puts = [op for op in ops if isinstance(op, PutOp)]
-        store = self._store
-        if self._putlog is None or (not ops and not store._has_pending_row_updates()) or any(
+        index = self._index
+        if self._putlog is None or (not ops and not index.has_pending_row_updates()) or any(
                 not isinstance(op, (PutOp, BumpOp)) and not (isinstance(op, SettleOp) and op.ack)
                 for op in ops) \
                 or sum(op.prepared.rows for op in puts) > self._settings.log_put_rows:
@@ -810,9 +818,9 @@ class Writer:
                 txn.physical[id(op)] = self._with_blob_keys(op.prepared)
             self._run_ops(txn, ops, results)
         except Exception:  # noqa: BLE001 - _NotLoggable, or an error the DuckDB path reports
-            store.blobs.rollback()
+            self._blobs.rollback()
             return None
-        blobs = store.blobs
+        blobs = self._blobs
         writing = self._blob_io.submit(blobs.sync) \
             if blobs.pending_bytes >= self._settings.overlap_blob_bytes else None
         updates = self._log_row_updates(txn)
@@ -831,7 +839,7 @@ class Writer:
                 except Exception:  # noqa: BLE001 - the first error is the one logged
                     pass
             blobs.rollback()
-            store._requeue_row_updates(updates)
+            index.requeue_row_updates(updates)
             # Once until a write works again: on a full disk every group would log it.
             (log.debug if self._putlog_failing else log.warning)(
                 "put log not written, the group goes to DuckDB: %s", e)
@@ -869,7 +877,7 @@ class Writer:
         to wait for the chunks to be durable, not start after them. A group with
         maintenance (CallOp: GC rolls and deletes segments) writes its chunks inline.
         """
-        blobs = self._store.blobs
+        blobs = self._blobs
         for op in ops:
             if isinstance(op, PutOp):
                 txn.physical[id(op)] = self._with_blob_keys(op.prepared)
@@ -881,21 +889,21 @@ class Writer:
     # -- puts ----------------------------------------------------------------------------------
     def _puts(self, txn: _Txn, puts: list[tuple[int, PutOp]], results: list[Any]) -> None:
         """Run a run of consecutive puts, merging those with the same shape into one statement."""
-        store = self._store
+        index = self._index
         batch: list[tuple[PreparedPut, pa.Table]] = []
         batch_keys: set[tuple[str, int]] | None = None  # built once a second put may join
         for i, op in puts:
             p = op.prepared
-            live = store._live_table(p.table)
+            live = index.live_table(p.table)
             self._check_versions(live, p)
             physical = txn.physical.pop(id(op))
-            version = store._versions[live.tdef.version_group]
+            version = index.versions[live.tdef.version_group]
             if isinstance(op, MergedPutOp):
                 results[i] = [{"rows": m.data.num_rows, "version": version} for m in op.members]
-                txn.applies.append(functools.partial(store._count_put, p.rows, len(op.members)))
+                txn.applies.append(functools.partial(index.count_put, p.rows, len(op.members)))
             else:
                 results[i] = {"rows": p.rows, "version": version}
-                txn.applies.append(functools.partial(store._count_put, p.rows))
+                txn.applies.append(functools.partial(index.count_put, p.rows))
             if batch:
                 if batch_keys is None:
                     batch_keys = {k for q, _ in batch for k in q.keys}
@@ -909,7 +917,7 @@ class Writer:
             self._write_rows(txn, batch)
 
     def _check_versions(self, live: LiveTable, p: PreparedPut) -> None:
-        current = self._store._versions[live.tdef.version_group]
+        current = self._index.versions[live.tdef.version_group]
         bound = current - live.tdef.max_staleness
         versions = p.physical.column("policy_version").to_numpy()
         high, low = int(versions.max()), int(versions.min())
@@ -932,15 +940,15 @@ class Writer:
             if chunk is None:
                 keys = pa.nulls(len(index), pa.large_string())
             else:
-                prefix = self._store.blobs.append(chunk)
+                prefix = self._blobs.append(chunk)
                 keys = keys_for(prefix, len(index) - index.null_count).take(index)
             physical = physical.set_column(physical.schema.get_field_index(ref), ref, keys)
         return physical
 
     def _write_rows(self, txn: _Txn, batch: list[tuple[PreparedPut, pa.Table]]) -> None:
-        store = self._store
+        index = self._index
         first = batch[0][0]
-        live = store._live_table(first.table)
+        live = index.live_table(first.table)
         tname = first.table
         physical = pa.concat_tables([t for _, t in batch]) if len(batch) > 1 else batch[0][1]
         keys = first.keys if len(batch) == 1 else [k for p, _ in batch for k in p.keys]
@@ -963,7 +971,7 @@ class Writer:
                                                       terminal)
         txn.next_row_id[tname] = next_id
         physical = physical.append_column("row_id", pa.array(row_ids, pa.int64()))
-        current = store._versions[live.tdef.version_group]
+        current = index.versions[live.tdef.version_group]
         con = self._con
         data_cols = first.data_columns
         status_cols = first.status_columns
@@ -1056,10 +1064,10 @@ class Writer:
             schema = live.payload_schema
             payload = pa.Table.from_arrays([values[f.name] for f in schema], schema=schema)
             if txn.logged is not None:  # DuckDB cannot serve these rows before the log is applied
-                store.cache.hold(payload)
+                index.cache.hold(payload)
                 txn.logged_values.append((live, keys, payload))
                 cached = payload
-            elif store.cache.admit(payload):
+            elif index.cache.admit(payload):
                 cached = payload
             # Per row: a null value leaves the stored one, which this batch does not hold, so
             # only rows that wrote every data column may take their values from it.
@@ -1079,7 +1087,7 @@ class Writer:
                              cached, group_keys)
 
             def apply_block() -> None:
-                if store._live.get(tname) is not live:
+                if index.live.get(tname) is not live:
                     return  # dropped meanwhile
                 live.next_row_id = max(live.next_row_id, next_id)
                 live.add_block(block)
@@ -1097,7 +1105,7 @@ class Writer:
         complete_list = complete.tolist()
 
         def apply() -> None:
-            if store._live.get(tname) is not live:
+            if index.live.get(tname) is not live:
                 return  # dropped meanwhile
             live.next_row_id = max(live.next_row_id, next_id)
             required = live.required_mask
@@ -1199,7 +1207,7 @@ class Writer:
 
     def _existing_rows(self, table: str, keys: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """Row ids of keys already in DuckDB (only terminal rows can be; live ones are known)."""
-        if not self._store._may_have_terminal_rows(table):
+        if not self._index.may_have_terminal_rows(table):
             return {}
         if len(keys) <= self._settings.point_lookup_keys:  # a few filtered scans cost less than one join
             out: dict[tuple[str, int], int] = {}
@@ -1220,26 +1228,18 @@ class Writer:
 
     # -- acks, nacks ------------------------------------------------------------------------
     def _settle(self, txn: _Txn, op: SettleOp) -> dict[str, Any]:
-        store = self._store
+        index = self._index
         lease = op.lease
-        with store._lock:
-            plan = store._settle_plan(lease, ack=op.ack)
-            # Lease bookkeeping this claim left for a later flush is superseded by the settle
-            # written here; flushed afterwards it would mark the rows leased again.
-            for tname, rows in plan.items():
-                pending = store._row_updates.get(tname)
-                if pending:
-                    for row, _ in rows:
-                        entry = pending.get(row.row_id)
-                        if entry is not None and entry.lease_id == lease.claim_id:
-                            del pending[row.row_id]
+        with index.lock:
+            plan = index.settle_plan(lease, ack=op.ack)
+            index.supersede_row_updates(lease, plan)
         for tname, rows in plan.items():
-            if tname not in store._live:
+            if tname not in index.live:
                 continue
             if op.ack:
                 # The claim's lease columns may not be flushed yet (and never will be once the
                 # row is consumed), so the ack writes the delivery count and owner itself.
-                version = store._versions[store._live[tname].tdef.version_group]
+                version = index.versions[index.live[tname].tdef.version_group]
                 n = len(rows)
                 self._record(txn, ("ack", {"table": tname}, pa.table({
                     "row_id": pa.array([r.row_id for r, _ in rows], pa.int64()),
@@ -1259,7 +1259,7 @@ class Writer:
                     "lease_expires_at = NULL, delivery_count = b.delivery_count, "
                     "dead = b.dead, stale = t.stale OR b.stale, updated_at = now() "
                     f"FROM {source} AS b WHERE t.row_id = b.row_id", params)
-        txn.applies.append(functools.partial(store._settled, lease, plan,
+        txn.applies.append(functools.partial(index.settled, lease, plan,
                                              "ack" if op.ack else "nack"))
         return {"claim_id": lease.claim_id, "acked" if op.ack else "nacked": len(lease.rows)}
 
@@ -1269,24 +1269,24 @@ class Writer:
         if txn.logged is not None:
             txn.logged.append(record)
         else:
-            apply_records(self._con, [record], self._store._live)
+            apply_records(self._con, [record], self._index.live)
 
     # -- versions -------------------------------------------------------------------------------
     def _bump(self, txn: _Txn, op: BumpOp) -> int:
-        store = self._store
-        if op.group not in store._versions:
+        index = self._index
+        if op.group not in index.versions:
             raise NotFound(f"version group {op.group!r} does not exist")
-        current = store._versions[op.group]
+        current = index.versions[op.group]
         if op.expected is not None and op.expected != current:
             raise VersionConflict(f"version of {op.group!r} is {current}, not the expected "
                                   f"{op.expected}; another trainer bumped it first")
         new = current + 1
         stale: list[tuple[LiveTable, list[Row]]] = []
-        for live in store._live.values():
+        for live in index.live.values():
             if live.tdef.version_group != op.group:
                 continue
             bound = new - live.tdef.max_staleness
-            with store._lock:  # building rows of blocks changes the ready index claims read
+            with index.lock:  # building rows of blocks changes the ready index claims read
                 live.build_blocks_below(bound)
             rows = live.stale_rows(bound)
             if rows:
@@ -1299,31 +1299,20 @@ class Writer:
                 "row_id": pa.array([r.row_id for _, rows in stale for r in rows],
                                    pa.int64())})))
 
-        def apply() -> None:
-            store.counters["version_bumps"] += 1
-            store._versions[op.group] = new
-            store._weights[op.group] = op.weights_uri
-            for live, rows in stale:
-                for row in rows:
-                    if row.state != LEASED:  # (one leased since is staled when it settles)
-                        live.forget(row)
-                        store.counters["stale_rows"] += 1
-            for live in store._live.values():
-                if live.tdef.version_group == op.group:
-                    live.prune_terminal(new - live.tdef.max_staleness)
-        txn.applies.append(apply)
+        txn.applies.append(functools.partial(index.apply_bump, op.group, new, op.weights_uri,
+                                             stale))
         return new
 
     # -- lease bookkeeping -----------------------------------------------------------------
     def _row_updates(self, txn: _Txn) -> None:
         """Write the lease columns (and stale/dead flags) that claims and expiries changed."""
-        updates = self._store._take_row_updates()
+        updates = self._index.take_row_updates()
         if not updates:
             return
         txn.row_updates = updates
         con = self._con
         for tname, rows in updates.items():
-            if tname not in self._store._live:
+            if tname not in self._index.live:
                 continue
             leases: ListColumns = {name: (kind, [getattr(r, name) for r in rows])
                                    for name, kind in LEASE_COLUMNS}
@@ -1333,9 +1322,9 @@ class Writer:
     def _log_row_updates(self, txn: _Txn) -> dict[str, list[LeaseUpdate]]:
         """The lease bookkeeping a logged group carries (as a DuckDB transaction would)."""
         assert txn.logged is not None
-        updates = self._store._take_row_updates()
+        updates = self._index.take_row_updates()
         for tname, rows in updates.items():
-            if tname in self._store._live:
+            if tname in self._index.live:
                 txn.logged.append(("leases", {"table": tname}, lease_table(rows)))
         return updates
 

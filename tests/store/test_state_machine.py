@@ -5,7 +5,7 @@ every step: claims hand out exactly the first ready rows in order, no row is hel
 claimants, no consumed or stale row is delivered, no row is lost, and the stats add up.
 
 Lease expiry is made deterministic with a fake wall clock for the store (``store.embedded.time``):
-leases expire when a rule advances the clock and forces ``_expire_leases()``, never behind the
+leases expire when a rule advances the clock and forces ``expire_leases()``, never behind the
 model's back.
 """
 from __future__ import annotations
@@ -212,7 +212,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(seconds=st.sampled_from([0.5, 2.0, 6.0, 11.0]))
     def advance_clock(self, seconds):
         self.clock.now += seconds
-        self.s._expire_leases()
+        self.s._index.expire_leases()
         for c in self._held():
             if c.expires_at <= self.clock.now:
                 c.outcome = "expired"

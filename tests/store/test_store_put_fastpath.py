@@ -110,7 +110,7 @@ def test_terminal_rows_within_the_staleness_window_survive_a_bump(open_store, te
     with pytest.raises(StaleVersion):
         s.put("t", [_full("a_0_0") | {"policy_version": 0}])
     # The index keeps only versions a put may still carry.
-    live = s._live["t"]
+    live = s._index.live["t"]
     if live.terminal is not None:
         assert all(v >= 1 for v in live.terminal)
 
@@ -132,10 +132,10 @@ def test_index_given_up_past_its_limit(open_store, monkeypatch):
     s.create_table("t", COLUMNS)
     s.put("t", [_full(f"q{i}_0_0") for i in range(3)])
     _consume_all(s)
-    assert s._live["t"].terminal is not None
+    assert s._index.live["t"].terminal is not None
     s.put("t", [_full(f"r{i}_0_0") for i in range(4)])
     _consume_all(s)
-    assert s._live["t"].terminal is None                       # DuckDB answers from now on
+    assert s._index.live["t"].terminal is None                       # DuckDB answers from now on
     s.put("t", [_full(f"q{i}_0_0", 9.0) for i in range(3)] + [_full(f"r{i}_0_0", 9.0)
                                                               for i in range(4)])
     s.put("t", [_full("q0_0_0", 8.0)])
@@ -143,7 +143,7 @@ def test_index_given_up_past_its_limit(open_store, monkeypatch):
     assert _assert_one_row_per_key(s) == 7
     s.close()
     s = open_store()                                           # too many to load: not kept
-    assert s._live["t"].terminal is None
+    assert s._index.live["t"].terminal is None
     s.put("t", [_full("r3_0_0", 1.5)])
     s.put("t", [_full(f"q{i}_0_0", 2.5) for i in range(3)])   # a join, not point lookups
     assert _state(s)["consumed"] == 7
@@ -155,8 +155,8 @@ def test_an_update_that_misses_its_row_fails_the_write(open_store):
     s = open_store()
     s.create_table("t", COLUMNS)
     s.put("t", [_full("a_0_0")])
-    live = s._live["t"]
-    with s._lock:
+    live = s._index.live["t"]
+    with s._index.lock:
         live.remember_terminal(0, "ghost_0_0", 12345)          # a row that does not exist
     with pytest.raises(Exception, match="updated 0 rows, expected 1"):
         s.put("t", [_full("ghost_0_0")])
@@ -172,7 +172,7 @@ def test_all_fresh_sees_live_new_and_terminal_keys(open_store):
     s.put("t", [{"sample_id": "live_0_0", "prompt": "p"}])             # live, pending
     s.put("t", [_full("done_0_0")])
     _consume_all(s)                                                     # terminal at version 0
-    live = s._live["t"]
+    live = s._index.live["t"]
     fresh = store.writer._all_fresh
     assert fresh(live, {}, [("x_0_0", 0), ("y_0_0", 0)])
     assert not fresh(live, {}, [("x_0_0", 0), ("live_0_0", 0)])
@@ -181,7 +181,7 @@ def test_all_fresh_sees_live_new_and_terminal_keys(open_store):
     assert fresh(live, {}, [("x_0_0", 1), ("done_0_0", 1)])             # another version: new
     assert not fresh(live, {}, [("x_0_0", 1), ("done_0_0", 0)])         # versions mixed
     assert fresh(live, {}, [("done_0_0", 1), ("x_0_0", 0)])
-    with s._lock:
+    with s._index.lock:
         live.terminal = None                                            # given up: ask DuckDB
     assert not fresh(live, {}, [("x_0_0", 0)])
 
@@ -221,7 +221,7 @@ def test_bulk_put_of_new_rows_matches_the_general_path(open_store, tmp_path, mon
 
 def _blocked(s, table="t"):
     """How many live rows are still held in bulk-put blocks (not built as objects)."""
-    return sum(type(r) is store.live.RowBlock for r in s._live[table].rows.values())
+    return sum(type(r) is store.live.RowBlock for r in s._index.live[table].rows.values())
 
 
 def test_bulk_put_rows_stay_in_a_block_until_a_claim_or_write_touches_them(open_store):
