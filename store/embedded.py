@@ -38,8 +38,7 @@ from .index import StoreIndex
 from .live import LOADING, Lease, LiveTable, Row
 from .naming import check_identifier, quote
 from .opening import connect_duckdb, ensure_catalog, run_checkpoint
-from .prepare import SMALL_ROWS, PreparedPut, check_columns, prepare_put, put_versions, \
-    to_arrow_table
+from .prepare import SMALL_ROWS, check_columns, put_versions, to_arrow_table
 from .settings import StoreSettings
 from .putlog import PutLog, log_path, replay
 from .recovery import load_state
@@ -47,7 +46,8 @@ from .schema import TableDef
 from .sqlguard import check_select, predicate_query
 from .sqlvalues import ValueCursor, ValueViews, drop_keys
 from .types import one_array
-from .writer import BumpOp, CallOp, PutOp, ReadOp, SettleOp, SmallPutOp, Writer
+from .ops import BumpOp, CallOp, PutOp, ReadOp, SettleOp, SmallPutOp
+from .writer import Writer
 
 log = logging.getLogger("expstore.store")
 

@@ -349,7 +349,7 @@ class LiveTable:
         if terminal is None:
             return
         if self.terminal_count >= TERMINAL_INDEX_MAX:
-            self.terminal = None  # the writer notices and asks DuckDB (see Writer._write_rows)
+            self.terminal = None  # the writer notices and asks DuckDB (see store/rows_sql.py)
             self.terminal_count = 0
             return
         by_sid = terminal.get(version)

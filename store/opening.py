@@ -60,6 +60,19 @@ def run_checkpoint(con: duckdb.DuckDBPyConnection) -> None:
             con.execute(f"SET threads = {usual}")
 
 
+def invalidated(con: duckdb.DuckDBPyConnection, error: BaseException) -> bool:
+    """Whether DuckDB invalidated the database (after a failed checkpoint or WAL write, e.g.
+    a full disk): every statement fails until it is opened again. Asked of the database itself,
+    not read from the error's text."""
+    if isinstance(error, duckdb.FatalException):
+        return True
+    try:
+        con.execute("SELECT 1").fetchall()
+    except duckdb.Error:
+        return True
+    return False
+
+
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -73,8 +86,8 @@ def duckdb_config(memory_limit: str | None) -> dict[str, Any]:
     External access stays off for the whole database so that no query can read files, attach
     databases or load extensions, whatever the SQL guard lets through. DuckDB's automatic
     checkpoint is pushed out: the writer checkpoints when idle, or when the WAL reaches
-    ``StoreSettings.wal_checkpoint_bytes``, between two groups and on every core (see writer.py);
-    DuckDB's own, at a threshold above that, is left for a checkpoint the writer could not run.
+    ``StoreSettings.wal_checkpoint_bytes``, between two groups and on every core (see
+    checkpoints.py); DuckDB's own, at a threshold above that, is left for a checkpoint the writer could not run.
     """
     config: dict[str, Any] = {
         "enable_external_access": False,

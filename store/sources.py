@@ -1,10 +1,12 @@
 """Ways to hand a statement its rows: an Arrow table registered for it, or list parameters."""
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 from .naming import quote
@@ -47,3 +49,15 @@ def row_source(con: duckdb.DuckDBPyConnection, name: str,
                       for c, (kind, values) in columns.items()})
     with registered(con, name, table):
         yield name, []
+
+
+_TIMESTAMPTZ = pa.timestamp("us", "UTC")
+
+
+def now_column(n: int) -> pa.Array:
+    """The time now, ``n`` times, as DuckDB's now() would give it to a TIMESTAMPTZ column (for
+    rows the put log carries instead of a statement)."""
+    now = time.time_ns() // 1000
+    if n <= 64:  # (for a few rows a list is cheaper than numpy's set-up)
+        return pa.array([now] * n, _TIMESTAMPTZ)
+    return pa.array(np.full(n, now, "datetime64[us]"), _TIMESTAMPTZ)

@@ -101,7 +101,7 @@ def test_do_put_holds_a_bounded_number_of_bytes_in_flight(tmp_path, monkeypatch)
     """Batches wait for room before they reach the writer: at most PUT_PIPELINE_BYTES of them
     (any one batch alone), however fast the client streams; all are answered, in order."""
     import flight_server.server as server_module
-    from store.writer import CallOp
+    from store.ops import CallOp
 
     size = _rows(["s00_0_0", "s00_0_1"]).nbytes  # every batch below has this size
     monkeypatch.setattr(server_module, "PUT_PIPELINE_BYTES", int(3.5 * size))

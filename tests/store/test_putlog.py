@@ -22,7 +22,7 @@ from conftest import SLOW_INSERTS
 from waiting import wait_until
 from store.errors import StaleVersion
 from store.putlog import PutLog, Record, log_path, read_records
-from store import writer
+from store import checkpoints
 from store.settings import StoreSettings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -430,14 +430,14 @@ def test_puts_acks_and_bumps_do_not_wait_for_an_idle_checkpoint(tmp_path, monkey
     arriving meanwhile are logged and answered while it runs; SQL (a DuckDB transaction of the
     writer first) waits for it and sees everything."""
     entered, release = threading.Event(), threading.Event()
-    real = writer._checkpoint
+    real = checkpoints._checkpoint
 
     def held(cursor):
         entered.set()
         assert release.wait(30), "the test never let the checkpoint finish"
         return real(cursor)
 
-    monkeypatch.setattr(writer, "_checkpoint", held)
+    monkeypatch.setattr(checkpoints, "_checkpoint", held)
     s = store.connect(str(tmp_path / "x.duckdb"), checkpoint_idle_seconds=0.05)
     try:
         s.create_table("t", COLUMNS, max_staleness=0)

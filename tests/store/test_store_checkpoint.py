@@ -1,4 +1,4 @@
-"""Checkpoints (store/opening.py ``run_checkpoint``, store/writer.py): run on every core, and by
+"""Checkpoints (store/opening.py ``run_checkpoint``, store/checkpoints.py): run on every core, and by
 the writer between two groups once DuckDB's WAL is full, instead of inside a COMMIT."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import duckdb
 
 from store.settings import StoreSettings
 import store
-from store import opening, writer
+from store import checkpoints, opening
 
 COLUMNS = {"reward": "float64", "tag": "string"}
 ROWS = StoreSettings().log_put_rows + 1000  # over the put log's bound: committed to DuckDB's WAL
@@ -71,7 +71,7 @@ def test_only_duckdb_commits_make_the_writer_measure_the_wal(db_path, monkeypatc
             measured.append(path)
         return real_getsize(path)
 
-    monkeypatch.setattr(writer.os.path, "getsize", getsize)
+    monkeypatch.setattr(checkpoints.os.path, "getsize", getsize)
     # no idle checkpoint; logged rows stay logged
     s = store.connect(db_path, checkpoint_idle_seconds=3600.0, materialize_delay=3600.0)
     try:
@@ -95,14 +95,14 @@ def test_writes_the_put_log_takes_go_on_while_a_full_wal_is_checkpointed(db_path
     and a version bump are answered while it runs (held here until they are), and nothing is
     lost once it ends."""
     started, release = threading.Event(), threading.Event()
-    real = writer._checkpoint  # noqa: SLF001
+    real = checkpoints._checkpoint  # noqa: SLF001
 
     def held_checkpoint(cursor):
         started.set()
         release.wait(60)
         return real(cursor)
 
-    monkeypatch.setattr(writer, "_checkpoint", held_checkpoint)
+    monkeypatch.setattr(checkpoints, "_checkpoint", held_checkpoint)
     s = store.connect(db_path, checkpoint_idle_seconds=3600.0)  # no idle checkpoint
     calls = ThreadPoolExecutor(max_workers=1)
     try:

@@ -13,7 +13,7 @@ import pytest
 
 import reliability_helpers as rh
 import store.live
-import store.writer
+import store.rows_sql
 from store.settings import StoreSettings
 from store.errors import StaleVersion
 
@@ -173,7 +173,7 @@ def test_all_fresh_sees_live_new_and_terminal_keys(open_store):
     s.put("t", [_full("done_0_0")])
     _consume_all(s)                                                     # terminal at version 0
     live = s._index.live["t"]
-    fresh = store.writer._all_fresh
+    fresh = store.rows_sql._all_fresh
     assert fresh(live, {}, [("x_0_0", 0), ("y_0_0", 0)])
     assert not fresh(live, {}, [("x_0_0", 0), ("live_0_0", 0)])
     assert not fresh(live, {("x_0_0", 0): 7}, [("y_0_0", 0), ("x_0_0", 0)])  # new in this txn
@@ -207,7 +207,7 @@ def test_bulk_put_of_new_rows_matches_the_general_path(open_store, tmp_path, mon
     results = []
     for general in (False, True):
         if general:
-            monkeypatch.setattr(store.writer, "_all_fresh", lambda *a: False)
+            monkeypatch.setattr(store.rows_sql, "_all_fresh", lambda *a: False)
         s = open_store(str(tmp_path / f"g{general}.duckdb"))
         s.create_table("t", COLUMNS)
         for w in writes:
@@ -572,13 +572,13 @@ def test_group_numbers_from_arrow_match_numbering_row_by_row():
     iids = ["b", "a", "b", "c", "a", "ä", "c", "b"]
     one = pa.table({"policy_version": pa.array([3] * 8, pa.int64()),
                     "input_id": pa.chunked_array([iids[:3], iids[3:]], pa.large_string())})
-    codes, groups = store.writer._group_codes(one)
+    codes, groups = store.rows_sql._group_codes(one)
     assert codes.tolist() == [0, 1, 0, 2, 1, 3, 2, 0]
     assert groups == [(3, "b"), (3, "a"), (3, "c"), (3, "ä")]
     versions = [3, 3, 4, 3, 3, 4, 3, 4]
     mixed = pa.table({"policy_version": pa.array(versions, pa.int64()),
                       "input_id": pa.array(iids, pa.large_string())})
-    codes, groups = store.writer._group_codes(mixed)
+    codes, groups = store.rows_sql._group_codes(mixed)
     assert codes.tolist() == [0, 1, 2, 3, 1, 4, 3, 2]
     assert groups == [(3, "b"), (3, "a"), (4, "b"), (3, "c"), (4, "ä")]
 

@@ -16,7 +16,7 @@ import pytest
 
 from store.errors import InvalidArgument, NotFound, SchemaMismatch, StaleVersion
 from store.settings import StoreSettings
-from store.writer import CallOp
+from store.ops import CallOp
 from thread_helpers import run_threads
 
 COLUMNS = {"prompt": "string", "reward": "float64"}
