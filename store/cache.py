@@ -5,7 +5,7 @@ Why a bound: every put's values stayed cached until their rows were consumed, so
 producers outran its trainers grew by each backlog row's values (a soak's server grew far past
 DuckDB's memory limit; docs/reliability.md, section 4). Now a put's values are cached only while
 the cache holds less than its limit; rows put past it are claimed from DuckDB (the claim that
-reads them reads the next ready rows' values too, see ``EmbeddedStore._read_values``), and the
+reads them reads the next ready rows' values too, see ``ClaimEngine._read_values``), and the
 cache fills again as the backlog drains. Rows that the put log holds and DuckDB does not yet
 have are always cached (DuckDB cannot serve them); once applied to DuckDB, they leave the cache
 if it is over its limit (see ``Writer._logged_committed``).

@@ -15,38 +15,35 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
-import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import duckdb
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from .barrier import DEFAULT_BARRIER_TIMEOUT, SETTING_PREFIX, Barrier, check_expected, \
     check_timeout, encode_weights, weights_of
 from .blobs import BlobStore
-from .claims import Claim, ClaimRequest, check_consumer, check_lease_seconds
-from .errors import AlreadyExists, StoreClosed, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
-    QueryBusy, QueryRefused, QueryTimeout, StorageError, TableFull, VersionConflict
+from .claim_engine import ClaimEngine
+from .claims import Claim, ClaimRequest
+from .errors import AlreadyExists, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
+    StorageError, StoreClosed, TableFull, VersionConflict
 from .index import StoreIndex
-from .live import LOADING, Lease, LiveTable, Row
+from .live import Lease, LiveTable
 from .naming import check_identifier, quote
 from .opening import connect_duckdb, ensure_catalog, run_checkpoint
+from .ops import BumpOp, CallOp, PutOp, ReadOp, SettleOp, SmallPutOp
 from .prepare import SMALL_ROWS, check_columns, put_versions, to_arrow_table
-from .settings import StoreSettings
 from .putlog import PutLog, log_path, replay
+from .readers import Readers
 from .recovery import load_state
 from .schema import TableDef
-from .sqlguard import check_select, predicate_query
-from .sqlvalues import ValueCursor, ValueViews, drop_keys
-from .types import one_array
-from .ops import BumpOp, CallOp, PutOp, ReadOp, SettleOp, SmallPutOp
+from .settings import StoreSettings
+from .sqlguard import check_select
+from .sqlvalues import drop_keys
 from .writer import Writer
 
 log = logging.getLogger("expstore.store")
@@ -78,18 +75,8 @@ class EmbeddedStore:
         ensure_catalog(path)
         self._memory_limit = memory_limit
         self._con = connect_duckdb(path, memory_limit)
-        self._query_slots = threading.BoundedSemaphore(max_concurrent_queries)
-        # One reader cursor per thread, kept here (not in thread-locals) so that close() can
-        # drop every one of them, also those of threads that live on (gRPC's pool).
-        self._readers: dict[int, duckdb.DuckDBPyConnection] = {}
-        # Cursors of SQL and claim predicates: their tables show by-reference values (see
-        # store/sqlvalues.py); the store's own reads use the plain readers above.
-        self._value_readers: dict[int, ValueCursor] = {}
-        self._reader_root = self._con.cursor()
-        self._reader_lock = threading.Lock()
         try:
             self.blobs = BlobStore(blob_dir or f"{path}.blobs", blob_filesystem)
-            self._views = ValueViews(self.blobs)
             replayed = replay(self._con, path)
             if replayed:
                 log.info("%d rows of the put log inserted after an unclean stop", replayed)
@@ -104,9 +91,16 @@ class EmbeddedStore:
         #: Monotonic counters for monitoring (flight_server.metrics exports them).
         self.counters = index.counters
         self._closed = False
+        # The parts, each given what it needs (the writer is started last; the reads reach it
+        # through these callables only).
+        self._readers = Readers(self._con, index, self.blobs, max_concurrent_queries,
+                                materialize=lambda: self._writer.materialize(),
+                                read_fault=lambda: self._writer.read_fault())
+        self._claims = claims = ClaimEngine(index, self._readers, self.blobs, settings,
+                                            poke=lambda: self._writer.poke())
         self._writer = Writer(index, self._con, settings, putlog, blobs=self.blobs,
                               wal_path=f"{path}.wal", reopen=self._reopen_database,
-                              load_payloads=self.load_payloads)
+                              load_payloads=lambda live, ids: claims.load_payloads(live, ids))
 
     # -- tables --------------------------------------------------------------------------------
     def create_table(self, name: str, columns: Mapping[str, Any], *, if_not_exists: bool = False,
@@ -302,251 +296,22 @@ class EmbeddedStore:
             if error is None:
                 answer.set_result(f.result())
                 return
-            with self._lock:
-                lease = self._claims.get(claim.claim_id)
+            with self._index.lock:
+                lease = self._index.claims.get(claim.claim_id)
             if lease is not None:
-                self._release_unread(lease)
+                self._claims.release_unread(lease)
             answer.set_exception(error)
         settled.add_done_callback(done)
         return claim, answer
 
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:
-        """Lease rows from several tables in one atomic step, under one claim id.
+        """Lease rows from several tables in one atomic step, under one claim id (see
+        :meth:`store.claim_engine.ClaimEngine.claim_many`).
 
         Either every request gets at least its ``min_rows`` or nothing is leased.
         """
-        if not requests:
-            raise InvalidArgument("claim_many needs at least one claim request")
-        requests = [r.validated() for r in requests]
-        if len({r.table for r in requests}) != len(requests):
-            names = [r.table for r in requests]
-            twice = next(n for n in names if names.count(n) > 1)
-            raise InvalidArgument(f"claim_many names table {twice!r} twice; give one request "
-                                  "per table")
-        check_lease_seconds(lease_seconds)
-        owner = check_consumer(consumer)
-        lives = [self._index.live_table(r.table) for r in requests]
-        accepted: list[set[int] | None] = []
-        for req, live in zip(requests, lives):
-            accepted.append(None if req.where is None else self._accepted(req, live))
-        with self._index.lock:
-            picks: list[list[Row]] = []
-            for req, live, ok in zip(requests, lives, accepted):
-                if self._index.live.get(req.table) is not live:
-                    raise self._index.no_table(req.table)
-                rows = live.select(req.limit, req.group_size,
-                                   None if ok is None else _member_of(ok))
-                if len(rows) < req.min_rows:
-                    return Claim("", owner, 0.0, {
-                        live.tdef.name: live.tdef.claim_schema().empty_table()
-                        for live in lives})
-                picks.append(rows)
-            seconds = lease_seconds or max(live.tdef.lease_seconds for live in lives)
-            lease = self._index.lease(owner, seconds, list(zip(lives, picks)))
-        self._writer.poke()
-        try:
-            tables = {live.tdef.name: self._fetch(live, rows) for live, rows in zip(lives, picks)}
-        except BaseException:
-            self._release_unread(lease)
-            raise
-        return Claim(lease.claim_id, owner, lease.expires_at, tables)
-
-    def _release_unread(self, lease: Lease) -> None:
-        """Give back rows whose data could not be read, without counting a delivery."""
-        if self._index.release_unread(lease):
-            self._writer.poke()
-
-    def _accepted(self, req: ClaimRequest, live: LiveTable) -> set[int]:
-        """Ready rows satisfying a claim's predicate: enough of the first ready rows for the
-        claim, or of all of them.
-
-        Why in rounds: asking DuckDB about every ready row took seconds with a large backlog (and
-        built every row of the backlog as an object); a claim needs only the first rows that
-        match. Each round evaluates the next rows in
-        claim order, four times as many as the round before, and stops once the claim could be
-        served from what matched (the selection a claim makes from a prefix of the order is
-        the one it makes from the whole order when the prefix holds enough matches).
-        """
-        assert req.where is not None
-        sql = predicate_query(req.table, req.where)
-        matched: set[int] = set()
-        asked: set[int] = set()
-        want = max(4 * req.limit, self.settings.where_first_rows)
-        # A predicate is SQL like any query (a sub-select can take minutes): it shares the query
-        # slots and time limit of the query path, over all its rounds and the wait for a slot.
-        limit = self.query_timeout
-        deadline = self._take_query_slot(limit, f"claim predicate {req.where[:200]!r}")
-        try:
-            while True:
-                with self._index.lock:
-                    ready = live.ready_count
-                    prefix = live.ready_rows(max(min(want, ready), 1))
-                fresh = [r.row_id for r in prefix if r.row_id not in asked]
-                asked.update(fresh)
-                matched |= self._matching(sql, req.where, fresh, limit, deadline)
-                if len(prefix) >= ready or _fills(prefix, matched, req.limit, req.group_size):
-                    return matched
-                want *= 4
-        finally:
-            self._query_slots.release()
-
-    def _matching(self, sql: str, where: str, row_ids: list[int], limit: float,
-                  deadline: float) -> set[int]:
-        """Which candidate rows satisfy a claim predicate (``sql``: its checked query)."""
-        if not row_ids:
-            return set()
-        try:
-            rows = self._run_read(sql, [row_ids], limit, deadline)
-        except QueryBusy:
-            raise
-        except QueryTimeout as e:
-            raise QueryTimeout(f"claim predicate {where[:200]!r} ran past the query time limit "
-                               f"of {limit} s and was cancelled") from e
-        except QueryRefused as e:
-            raise QueryRefused(f"claim predicate {where[:200]!r} failed: {e}") from e
-        return set(rows.column(0).to_pylist())
-
-    def _fetch(self, live: LiveTable, rows: list[Row]) -> pa.Table:
-        """The claim's rows, from the claim cache where possible, else from DuckDB."""
-        tdef = live.tdef
-        payloads = [r.payload for r in rows]
-        missing = [i for i, p in enumerate(payloads) if p is None or p is LOADING]
-        if missing:
-            loaded = self._read_values(live, [rows[i] for i in missing])
-            for i in missing:
-                payloads[i] = loaded.get(rows[i].row_id)
-        # the claim's rows by the cached table (the put) they come from
-        sources: dict[int, tuple[pa.Table, list[int], list[int]]] = {}
-        for position, (r, payload) in enumerate(zip(rows, payloads)):
-            if payload is None:
-                raise StorageError(f"row {r.sample_id!r} (version {r.version}) of "
-                                   f"{tdef.name!r} vanished while being claimed")
-            table, index = payload
-            entry = sources.setdefault(id(table), (table, [], []))
-            entry[1].append(index)
-            entry[2].append(position)
-        if len(sources) == 1:
-            table, indices, _ = next(iter(sources.values()))
-            columns = self._one_put_columns(live, table, indices)
-        else:
-            columns = self._columns(live, sources)
-        deliveries = [r.deliveries for r in rows]
-        delivery_count = (_first_deliveries(len(rows)) if deliveries.count(1) == len(rows)
-                          else pa.array(deliveries, pa.int32()))
-        return pa.Table.from_arrays([delivery_count if at < 0 else columns[at]
-                                     for at in live.claim_sources], schema=tdef.claim_schema())
-
-    def _one_put_columns(self, live: LiveTable, table: pa.Table,
-                         indices: list[int]) -> dict[int, pa.Array]:
-        """The claim's columns (by position in the payload) from rows ``indices`` of one cached
-        put: each column the claim returns cut alone, by-reference values from the put's chunks
-        by row number where they are held in memory (:meth:`BlobStore.put_rows`).
-
-        Why column by column: the claim answers a few of the put's columns' rows; slicing and
-        combining the whole cached table (its keys and inline placeholders too) first cost more
-        than the rest of the cut."""
-        n = len(indices)
-        first: int | None = indices[0]
-        if indices[-1] - indices[0] != n - 1 or indices != list(range(indices[0], indices[0] + n)):
-            first = None
-        positions = None if first is not None else pa.array(indices, pa.int64())
-
-        def rows(at: int) -> pa.Array:
-            column = table.column(at)
-            part = column.slice(first, n) if positions is None else column.take(positions)
-            return part.chunk(0) if part.num_chunks == 1 else part.combine_chunks()
-
-        columns: dict[int, pa.Array] = {}
-        for value_at, key_at in live.claim_refs:
-            cut = self.blobs.put_rows(table, key_at, indices, table.schema.field(value_at).type)
-            if cut is None:
-                keys = rows(key_at)
-                if keys.null_count == len(keys):  # every value inline
-                    continue
-                cut = self._resolved(rows(value_at), keys)
-            columns[value_at] = cut
-        for at in live.claim_sources:
-            if at >= 0 and at not in columns:
-                columns[at] = rows(at)
-        return columns
-
-    def _columns(self, live: LiveTable,
-                 sources: dict[int, tuple[pa.Table, list[int], list[int]]]) -> dict[int, pa.Array]:
-        """The claim's columns (by position in the payload) from rows of several cached tables:
-        one cut per table, then one reorder into claim order (far cheaper than a slice and a
-        concat per row), by-reference values resolved from their keys."""
-        parts = [_rows_of(table, indices) for table, indices, _ in sources.values()]
-        data = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
-        order = [p for _, _, positions in sources.values() for p in positions]
-        if len(parts) > 1 and order != sorted(order):
-            data = data.take(_inverse(order))
-        columns = dict(enumerate(data.combine_chunks().columns))
-        for value_at, key_at in live.claim_refs:
-            keys = columns[key_at]
-            if keys.null_count < len(keys):  # some values are in the blob store
-                columns[value_at] = self._resolved(columns[value_at], keys)
-        return columns
-
-    def _read_values(self, live: LiveTable, claimed: list[Row]) -> dict[int, tuple[pa.Table, int]]:
-        """Values of claimed rows that have none cached, read from DuckDB with those of the next
-        ready rows without them (up to ``settings.load_ahead_rows``), which the cache keeps for the next
-        claims.
-
-        Why ahead: on a large table the query costs milliseconds however few rows it reads, so
-        each claim reading its own rows paid that; read together, the next claims pay nothing.
-
-        A row is marked LOADING while the query runs; a write that replaces its values meanwhile
-        replaces the mark, and then what the query read (older) is not kept.
-        """
-        cfg = self.settings
-        want = cfg.load_ahead_first_rows if live.row_bytes is None else \
-            max(1, min(cfg.load_ahead_rows, cfg.load_ahead_bytes // max(1, live.row_bytes)))
-        with self._index.lock:
-            ahead = [r for r in live.ready_rows(want) if r.payload is None]
-            reading = claimed + ahead
-            for r in reading:
-                r.payload = LOADING
-        loaded: dict[int, tuple[pa.Table, int]] = {}
-        try:
-            loaded = self.load_payloads(live, [r.row_id for r in reading])
-        finally:
-            with self._index.lock:
-                for r in reading:
-                    if r.payload is LOADING:
-                        r.payload = loaded.get(r.row_id)
-        return loaded
-
-    def load_payloads(self, live: LiveTable, row_ids: list[int]) -> dict[int, tuple[pa.Table, int]]:
-        """Read rows' claimable values from DuckDB into the claim cache's form (counted there).
-
-        Only rows DuckDB holds lack cached values (rows of the put log stay cached until DuckDB
-        has them), so the read need not wait for the put log to be applied.
-        """
-        if not row_ids:
-            return {}
-        schema = live.tdef.payload_schema()
-        # A semi-join, not a range and list_contains: DuckDB pushes the join's bounds into the
-        # scan, so ids close together skip the other row groups (as with the range), and ids
-        # spread over the table cost much less than with the range (docs/bench/history.md,
-        # "The round of 2026-11-25 01:03").
-        sql = (f"SELECT row_id, {', '.join(map(quote, schema.names))} FROM "
-               f"{quote(live.tdef.name)} WHERE row_id IN (SELECT unnest(?::BIGINT[]))")
-        table = self._reader(materialize=False).sql(sql, params=[row_ids]).to_arrow_table()
-        ids = table.column("row_id").to_pylist()
-        table = table.drop_columns(["row_id"]).cast(schema)
-        if ids:
-            live.row_bytes = table.get_total_buffer_size() // len(ids)
-        self.cache.hold(table)
-        return {rid: (table, i) for i, rid in enumerate(ids)}
-
-    def _resolved(self, inline: pa.ChunkedArray, keys: pa.ChunkedArray) -> pa.Array:
-        """A column's values: inline ones where the blob key is null, else read from blobs."""
-        inline = one_array(inline)
-        values = self.blobs.resolve(keys.to_pylist(), inline.type)
-        if keys.null_count == 0:     # every value by reference: nothing to merge (if_else copies)
-            return values
-        return pc.if_else(pc.is_valid(keys), values, inline)
+        return self._claims.claim_many(requests, consumer=consumer, lease_seconds=lease_seconds)
 
     def ack(self, claim_id: str) -> dict[str, Any]:
         """Mark a claim's rows consumed; durable on return; acking twice is harmless.
@@ -639,7 +404,7 @@ class EmbeddedStore:
         total = 0
         for name in self.list_tables():
             # fetchall: a result left unfinished would refuse the cursor's next statement
-            rows = self._reader().execute(
+            rows = self._readers.cursor().execute(
                 f"SELECT count(*) FROM {quote(name)} WHERE lease_id = ? AND consumed",
                 [claim_id]).fetchall()
             total += int(rows[0][0]) if rows else 0
@@ -862,91 +627,12 @@ class EmbeddedStore:
         if params is not None and not isinstance(params, (list, tuple)):
             raise InvalidArgument(f"query parameters {params!r} are not a list")
         limit = self.query_timeout if timeout is None else timeout
-        deadline = self._take_query_slot(limit, "the query")
+        readers = self._readers
+        deadline = readers.take_query_slot(limit, "the query")
         try:
-            return drop_keys(self._run_read(sql, list(params or []), limit, deadline))
+            return drop_keys(readers.run(sql, list(params or []), limit, deadline))
         finally:
-            self._query_slots.release()
-
-    def _take_query_slot(self, limit: float, what: str) -> float:
-        """Take one of the query slots, waiting at most ``limit`` seconds; return the deadline
-        (monotonic) by which the work must end, the wait included. The caller releases it."""
-        deadline = time.monotonic() + limit
-        if not self._query_slots.acquire(timeout=limit):
-            raise QueryBusy(f"no query slot became free within {limit} s for {what}; too "
-                               "many concurrent queries (and claim predicates)")
-        return deadline
-
-    def _run_read(self, sql: str, params: list[Any], timeout: float,
-                  deadline: float | None = None) -> pa.Table:
-        """Run users' SQL (a query or a claim predicate) on this thread's value cursor;
-        cancelled after ``timeout`` seconds, or at ``deadline`` (monotonic)."""
-        left = timeout if deadline is None else deadline - time.monotonic()
-        if left <= 0:
-            raise QueryTimeout(f"query ran past its {timeout} s limit (waiting for a query slot "
-                               "included) and was cancelled")
-        values = self._value_reader()
-        cursor = values.cursor
-        values.take_error()
-        timer = threading.Timer(left, cursor.interrupt)
-        timer.daemon = True
-        timer.start()
-        try:
-            # The second layer under the SQL guard: the engine itself refuses any write in a
-            # read-only transaction, whatever syntax slips past the guard.
-            cursor.execute("BEGIN TRANSACTION READ ONLY")
-            try:
-                return cursor.sql(sql, params=params).to_arrow_table()
-            finally:
-                try:
-                    cursor.execute("ROLLBACK")
-                except duckdb.Error:
-                    pass
-        except duckdb.InterruptException as e:
-            raise QueryTimeout(f"query ran past its {timeout} s limit and was cancelled") from e
-        except duckdb.Error as e:
-            fault = self._writer.fault
-            if fault is not None:  # the database was invalidated under the query
-                raise fault.error(self._writer.waiting_changes, read=True) from e
-            blob_error = values.take_error()
-            if blob_error is not None:  # a by-reference value could not be read
-                raise blob_error from e
-            raise QueryRefused(f"query failed: {e}") from e
-        finally:
-            timer.cancel()
-
-    def _value_reader(self) -> ValueCursor:
-        """This thread's value cursor, its views in step with the tables (see sqlvalues)."""
-        self._writer.materialize()  # every acknowledged write is in DuckDB before a read
-        ident = threading.get_ident()
-        values = self._value_readers.get(ident)
-        if values is None:
-            with self._reader_lock:
-                if self._closed:
-                    raise StoreClosed("the store is closed")
-                values = self._value_readers[ident] = self._views.cursor(
-                    self._reader_root.cursor())
-        with self._index.lock:
-            seq, tables = self._index.ddl_seq, [live.tdef for live in self._index.live.values()]
-        try:
-            self._views.refresh(values, tables, seq)
-        except duckdb.Error as e:
-            raise StorageError(f"cannot prepare the query views of by-reference columns: {e}") \
-                from e
-        return values
-
-    def _reader(self, materialize: bool = True) -> duckdb.DuckDBPyConnection:
-        if materialize:
-            self._writer.materialize()  # every acknowledged write is in DuckDB before a read
-        ident = threading.get_ident()
-        cursor = self._readers.get(ident)
-        if cursor is None:
-            with self._reader_lock:
-                if self._closed:
-                    raise StoreClosed("the store is closed")
-                cursor = self._reader_root.cursor()
-                self._readers[ident] = cursor
-        return cursor
+            readers.release_query_slot()
 
     # -- stats ------------------------------------------------------------------------------------
     def stats(self, table: str | None = None) -> dict[str, Any]:
@@ -1061,22 +747,22 @@ class EmbeddedStore:
         """Close every connection to the database and open it again (the writer calls this
         after DuckDB invalidated it; DuckDB replays its WAL). Raises StorageError if it cannot
         be opened yet; the writer tries again later."""
-        with self._reader_lock:
-            self._close_readers()
+        def reopen() -> duckdb.DuckDBPyConnection:
             try:
                 self._con.close()
             except duckdb.Error:
                 pass
             # (a cached instance of the invalid database would be handed back while any
-            # connection to it is open: all are closed above)
+            # connection to it is open: all are closed first)
             self._con = connect_duckdb(self.path, self._memory_limit)
-            self._reader_root = self._con.cursor()
-        return self._con
+            return self._con
+        return self._readers.reopen(reopen)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._readers.closing()
         with self._index.changed:
             self._index.changed.notify_all()
         self._writer.close()  # applies what waits in the put log first, then closes it
@@ -1084,22 +770,9 @@ class EmbeddedStore:
             run_checkpoint(self._con)
         except duckdb.Error:
             pass
-        with self._reader_lock:
-            self._close_readers()
+        self._readers.close()
         self._con.close()
         self.blobs.close()
-
-    def _close_readers(self) -> None:
-        """Close every reader cursor, the query cursors too (``_reader_lock`` held); their
-        threads get new ones on their next read."""
-        cursors = [v.cursor for v in self._value_readers.values()]
-        for cursor in cursors + list(self._readers.values()) + [self._reader_root]:
-            try:
-                cursor.close()
-            except duckdb.Error:
-                pass
-        self._readers.clear()
-        self._value_readers.clear()
 
     def __enter__(self) -> "EmbeddedStore":
         return self
@@ -1108,72 +781,6 @@ class EmbeddedStore:
         self.close()
 
     # -- helpers ----------------------------------------------------------------------------------
-_ONES = pa.array(np.ones(1024, np.int32))
-
-
-def _first_deliveries(n: int) -> pa.Array:
-    """A delivery_count column of ``n`` ones (a claim's rows are usually first deliveries)."""
-    return _ONES.slice(0, n) if n <= len(_ONES) else pa.array(np.ones(n, np.int32))
-
-
-#: A claim's rows from one cached put are cut out as at most this many zero-copy slices (runs of
-#: consecutive rows); more runs take a ``take``, which copies every column of the rows.
-MAX_SLICES = 8
-
-
-def _rows_of(table: pa.Table, indices: list[int]) -> pa.Table:
-    """Rows ``indices`` of ``table``, in that order: zero-copy slices when they form a few
-    ascending runs (the usual case: rows are claimed in about the order they were written; a
-    slice costs next to nothing, where a take copies every column of the rows), else a take."""
-    first = indices[0]
-    if indices[-1] - first == len(indices) - 1 and indices == list(range(first, first + len(indices))):
-        return table.slice(first, len(indices))
-    runs: list[tuple[int, int]] = []
-    start = previous = first
-    for index in indices[1:]:
-        if index != previous + 1:
-            runs.append((start, previous - start + 1))
-            if len(runs) >= MAX_SLICES:
-                return table.take(indices)
-            start = index
-        previous = index
-    runs.append((start, previous - start + 1))
-    return pa.concat_tables([table.slice(at, n) for at, n in runs])
-
-
-def _inverse(order: list[int]) -> list[int]:
-    """The permutation that puts rows listed in ``order`` (their claim positions) back into
-    claim order."""
-    inverse = [0] * len(order)
-    for i, position in enumerate(order):
-        inverse[position] = i
-    return inverse
-
-
-def _fills(prefix: list[Row], matched: set[int], limit: int, group_size: int | None) -> bool:
-    """Whether a claim can take all it may from the matching rows of ``prefix`` (the first ready
-    rows, in claim order): ``limit`` rows, or as many whole groups as fit in it.
-
-    A claim choosing among the matches of a prefix then chooses what it would among the matches
-    of all ready rows: it takes rows in order (a group cut at the end of the prefix gives its
-    first rows), and it stops before the prefix ends. Rows another claim leases meanwhile are
-    skipped, so such a claim may return fewer rows (never others).
-    """
-    if not group_size:
-        return sum(1 for r in prefix if r.row_id in matched) >= limit
-    chosen = 0
-    for _, rows in itertools.groupby(prefix, key=lambda r: (r.version, r.input_id)):
-        whole = sum(1 for r in rows if r.row_id in matched) // group_size
-        chosen += min(whole, (limit - chosen) // group_size) * group_size
-        if chosen + group_size > limit:
-            return True
-    return False
-
-
-def _member_of(row_ids: set[int]) -> Callable[[Row], bool]:
-    return lambda row: row.row_id in row_ids
-
-
 def _fresh(error: Exception) -> Exception:
     """A new exception like ``error``: one raised in several threads would gather all of their
     tracebacks."""

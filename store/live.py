@@ -26,7 +26,7 @@ PENDING, READY, LEASED = "pending", "ready", "processing"
 Key = tuple[str, int]          # (sample_id, policy_version)
 GroupKey = tuple[int, str]     # (policy_version, input_id)
 
-#: A row's payload while a claim reads its values from DuckDB (EmbeddedStore._read_values).
+#: A row's payload while a claim reads its values from DuckDB (ClaimEngine._read_values in store/claim_engine.py).
 LOADING: tuple[Any, int] = (None, -1)
 
 #: Terminal rows a table remembers in memory at most; past it, the writer asks DuckDB instead.

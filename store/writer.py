@@ -153,6 +153,12 @@ class Writer:
         """Why the database cannot be written now, if it cannot (see store/storage_fault.py)."""
         return self._fault
 
+    def read_fault(self) -> Exception | None:
+        """The error for a read that failed while the database cannot be read (invalidated
+        under it, or missing acknowledged changes), if it cannot now."""
+        fault = self._fault
+        return None if fault is None else fault.error(len(self._logged), read=True)
+
     @property
     def waiting_changes(self) -> int:
         """Acknowledged changes in the put log that DuckDB does not hold yet."""

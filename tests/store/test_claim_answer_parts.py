@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from store.ipc import ipc_stream
-from store.embedded import MAX_SLICES, _rows_of
+from store.claim_engine import MAX_SLICES, _rows_of
 
 
 def _table(n: int) -> pa.Table:

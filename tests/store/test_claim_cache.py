@@ -183,13 +183,13 @@ def test_a_claim_reading_duckdb_reads_the_next_rows_too(open_store, monkeypatch)
     data = _rows("q", BULK)
     s.put("t", data)
     reads: list[int] = []
-    real = s.load_payloads
+    real = s._claims.load_payloads
 
     def counted(live, row_ids):
         reads.append(len(row_ids))
         return real(live, row_ids)
 
-    monkeypatch.setattr(s, "load_payloads", counted)
+    monkeypatch.setattr(s._claims, "load_payloads", counted)
     assert _claim_all(s, 16) == _by_id(data)
     # 265 claims of 16; the first reads 1,024 rows, then as many as 16 MiB of these rows hold
     # (over 4,096); so a handful of reads, not one per claim.
@@ -201,18 +201,18 @@ def test_a_write_during_a_read_ahead_keeps_its_values(open_store, monkeypatch):
     _table(s)
     data = _rows("q", BULK)
     s.put("t", data)
-    real = s.load_payloads
+    real = s._claims.load_payloads
     first = sorted(data["sample_id"], key=_claim_order)
     ahead = first[100]  # read ahead by the first claim, rewritten while that read runs
 
     def write_while_reading(live, row_ids):
         loaded = real(live, row_ids)  # the values before the write
-        if s.load_payloads is write_while_reading:
-            monkeypatch.setattr(s, "load_payloads", real)
+        if s._claims.load_payloads is write_while_reading:
+            monkeypatch.setattr(s._claims, "load_payloads", real)
             s.put("t", {"sample_id": [ahead], "response": ["rewritten"]})
         return loaded
 
-    monkeypatch.setattr(s, "load_payloads", write_while_reading)
+    monkeypatch.setattr(s._claims, "load_payloads", write_while_reading)
     got = _claim_all(s, 16)
     assert got[ahead][0] == "rewritten"
     assert {k: v for k, v in got.items() if k != ahead} == \

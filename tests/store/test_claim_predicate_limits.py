@@ -69,7 +69,7 @@ def test_a_claim_predicate_waits_for_a_query_slot_within_the_time_limit(tmp_path
 
         runner = threading.Thread(target=long_query, daemon=True)
         runner.start()
-        wait_until(lambda: s._query_slots._value == 0, timeout=10,
+        wait_until(lambda: s._readers._slots._value == 0, timeout=10,
                    message="the long query never took the query slot")
         with pytest.raises(QueryBusy, match="query slot.*claim predicate") as err:
             s.claim("solver", 4, where="reward > 0")

@@ -35,6 +35,6 @@ def test_duckdb_leaves_a_core_to_the_store_unless_told(tmp_path, monkeypatch):
 def test_no_connection_of_the_store_draws_a_progress_bar(embedded_store):
     # A long query's bar went to the server's stderr, which is its log.
     s = embedded_store
-    for cursor in (s._con, s._reader(), s._reader(materialize=False)):
+    for cursor in (s._con, s._readers.cursor(), s._readers.cursor(materialize=False)):
         setting = cursor.execute("SELECT current_setting('enable_progress_bar')").fetchone()
         assert setting == (False,)

@@ -151,7 +151,7 @@ def test_by_value_queries_never_read_the_blob_store(open_store, db_path):
         [_response(3)]
     # A table without by-reference columns is the table itself.
     assert s.query("SELECT * FROM plain ORDER BY row_id").equals(
-        s._reader().sql("SELECT * FROM plain ORDER BY row_id").to_arrow_table())
+        s._readers.cursor().sql("SELECT * FROM plain ORDER BY row_id").to_arrow_table())
     # What needs a missing value says which segment is missing.
     for sql in ("SELECT response FROM t", "SELECT * FROM t", "SELECT count(*) FROM t WHERE "
                 "note = 'n1'"):

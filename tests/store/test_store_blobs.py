@@ -54,7 +54,7 @@ def test_large_and_ref_values_go_to_blob_dir(embedded_store, db_path):
     assert _segments(blob_dir), "no blob segment was written"
     # In DuckDB the big values are NULL with a key beside them; small ones are inline. (The
     # store's own reader sees the tables as stored; SQL sees the values, see below.)
-    raw = {r[0]: r[1:] for r in s._reader().execute(
+    raw = {r[0]: r[1:] for r in s._readers.cursor().execute(
         "SELECT sample_id, response IS NULL, response__ref, ids__ref, t__ref, note IS NULL, "
         "note__ref FROM t").fetchall()}
     r_null, r_key, ids_key, t_key, _, _ = raw["a_0_0"]

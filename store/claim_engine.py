@@ -1,0 +1,355 @@
+"""The claim engine: which ready rows a claim takes, leasing them, and reading their values.
+
+A claim runs on the caller's thread: a predicate, if any, is evaluated in DuckDB over the first
+ready rows only (:meth:`ClaimEngine._accepted`, holding a query slot); under the index's lock
+the live tables pick the rows (``LiveTable.select``) and the index leases them (their lease
+bookkeeping waits for the writer's next group: leases are soft state); then the rows' values are
+cut from the claim cache, or read from DuckDB for rows it does not hold (read ahead for the next
+claims), and by-reference values are read from the blob store.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .blobs import BlobStore
+from .claims import Claim, ClaimRequest, check_consumer, check_lease_seconds
+from .errors import InvalidArgument, QueryBusy, QueryRefused, QueryTimeout, StorageError
+from .index import StoreIndex
+from .live import LOADING, Lease, LiveTable, Row
+from .naming import quote
+from .readers import Readers
+from .settings import StoreSettings
+from .sqlguard import predicate_query
+from .types import one_array
+
+#: Rows' claimable values by row id: a cached Arrow table and the row's index in it.
+Payloads = dict[int, tuple[pa.Table, int]]
+
+
+class ClaimEngine:
+    """Serves claims over one store's index (see the module docstring).
+
+    Args:
+        index: the in-memory index whose ready rows claims take.
+        readers: cursors for the rows' values and the query slots predicates share.
+        blobs: where by-reference values are read from.
+        settings: read-ahead sizes and the query time limit.
+        poke: asks the writer to write lease bookkeeping soon (never blocks).
+    """
+
+    def __init__(self, index: StoreIndex, readers: Readers, blobs: BlobStore,
+                 settings: StoreSettings, poke: Callable[[], None]) -> None:
+        self._index = index
+        self._readers = readers
+        self._blobs = blobs
+        self._settings = settings
+        self._poke = poke
+
+    def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
+                   lease_seconds: float | None = None) -> Claim:
+        """Lease rows from several tables in one atomic step, under one claim id.
+
+        Either every request gets at least its ``min_rows`` or nothing is leased.
+        """
+        if not requests:
+            raise InvalidArgument("claim_many needs at least one claim request")
+        requests = [r.validated() for r in requests]
+        if len({r.table for r in requests}) != len(requests):
+            names = [r.table for r in requests]
+            twice = next(n for n in names if names.count(n) > 1)
+            raise InvalidArgument(f"claim_many names table {twice!r} twice; give one request "
+                                  "per table")
+        check_lease_seconds(lease_seconds)
+        owner = check_consumer(consumer)
+        lives = [self._index.live_table(r.table) for r in requests]
+        accepted: list[set[int] | None] = []
+        for req, live in zip(requests, lives):
+            accepted.append(None if req.where is None else self._accepted(req, live))
+        with self._index.lock:
+            picks: list[list[Row]] = []
+            for req, live, ok in zip(requests, lives, accepted):
+                if self._index.live.get(req.table) is not live:
+                    raise self._index.no_table(req.table)
+                rows = live.select(req.limit, req.group_size,
+                                   None if ok is None else _member_of(ok))
+                if len(rows) < req.min_rows:
+                    return Claim("", owner, 0.0, {
+                        live.tdef.name: live.tdef.claim_schema().empty_table()
+                        for live in lives})
+                picks.append(rows)
+            seconds = lease_seconds or max(live.tdef.lease_seconds for live in lives)
+            lease = self._index.lease(owner, seconds, list(zip(lives, picks)))
+        self._poke()
+        try:
+            tables = {live.tdef.name: self._fetch(live, rows) for live, rows in zip(lives, picks)}
+        except BaseException:
+            self.release_unread(lease)
+            raise
+        return Claim(lease.claim_id, owner, lease.expires_at, tables)
+
+    def release_unread(self, lease: Lease) -> None:
+        """Give back rows whose data could not be read, without counting a delivery."""
+        if self._index.release_unread(lease):
+            self._poke()
+
+    def _accepted(self, req: ClaimRequest, live: LiveTable) -> set[int]:
+        """Ready rows satisfying a claim's predicate: enough of the first ready rows for the
+        claim, or of all of them.
+
+        Why in rounds: asking DuckDB about every ready row took seconds with a large backlog (and
+        built every row of the backlog as an object); a claim needs only the first rows that
+        match. Each round evaluates the next rows in
+        claim order, four times as many as the round before, and stops once the claim could be
+        served from what matched (the selection a claim makes from a prefix of the order is
+        the one it makes from the whole order when the prefix holds enough matches).
+        """
+        assert req.where is not None
+        sql = predicate_query(req.table, req.where)
+        matched: set[int] = set()
+        asked: set[int] = set()
+        want = max(4 * req.limit, self._settings.where_first_rows)
+        # A predicate is SQL like any query (a sub-select can take minutes): it shares the query
+        # slots and time limit of the query path, over all its rounds and the wait for a slot.
+        limit = self._settings.query_timeout
+        deadline = self._readers.take_query_slot(limit, f"claim predicate {req.where[:200]!r}")
+        try:
+            while True:
+                with self._index.lock:
+                    ready = live.ready_count
+                    prefix = live.ready_rows(max(min(want, ready), 1))
+                fresh = [r.row_id for r in prefix if r.row_id not in asked]
+                asked.update(fresh)
+                matched |= self._matching(sql, req.where, fresh, limit, deadline)
+                if len(prefix) >= ready or _fills(prefix, matched, req.limit, req.group_size):
+                    return matched
+                want *= 4
+        finally:
+            self._readers.release_query_slot()
+
+    def _matching(self, sql: str, where: str, row_ids: list[int], limit: float,
+                  deadline: float) -> set[int]:
+        """Which candidate rows satisfy a claim predicate (``sql``: its checked query)."""
+        if not row_ids:
+            return set()
+        try:
+            rows = self._readers.run(sql, [row_ids], limit, deadline)
+        except QueryBusy:
+            raise
+        except QueryTimeout as e:
+            raise QueryTimeout(f"claim predicate {where[:200]!r} ran past the query time limit "
+                               f"of {limit} s and was cancelled") from e
+        except QueryRefused as e:
+            raise QueryRefused(f"claim predicate {where[:200]!r} failed: {e}") from e
+        return set(rows.column(0).to_pylist())
+
+    def _fetch(self, live: LiveTable, rows: list[Row]) -> pa.Table:
+        """The claim's rows, from the claim cache where possible, else from DuckDB."""
+        tdef = live.tdef
+        payloads = [r.payload for r in rows]
+        missing = [i for i, p in enumerate(payloads) if p is None or p is LOADING]
+        if missing:
+            loaded = self._read_values(live, [rows[i] for i in missing])
+            for i in missing:
+                payloads[i] = loaded.get(rows[i].row_id)
+        # the claim's rows by the cached table (the put) they come from
+        sources: dict[int, tuple[pa.Table, list[int], list[int]]] = {}
+        for position, (r, payload) in enumerate(zip(rows, payloads)):
+            if payload is None:
+                raise StorageError(f"row {r.sample_id!r} (version {r.version}) of "
+                                   f"{tdef.name!r} vanished while being claimed")
+            table, index = payload
+            entry = sources.setdefault(id(table), (table, [], []))
+            entry[1].append(index)
+            entry[2].append(position)
+        if len(sources) == 1:
+            table, indices, _ = next(iter(sources.values()))
+            columns = self._one_put_columns(live, table, indices)
+        else:
+            columns = self._columns(live, sources)
+        deliveries = [r.deliveries for r in rows]
+        delivery_count = (_first_deliveries(len(rows)) if deliveries.count(1) == len(rows)
+                          else pa.array(deliveries, pa.int32()))
+        return pa.Table.from_arrays([delivery_count if at < 0 else columns[at]
+                                     for at in live.claim_sources], schema=tdef.claim_schema())
+
+    def _one_put_columns(self, live: LiveTable, table: pa.Table,
+                         indices: list[int]) -> dict[int, pa.Array]:
+        """The claim's columns (by position in the payload) from rows ``indices`` of one cached
+        put: each column the claim returns cut alone, by-reference values from the put's chunks
+        by row number where they are held in memory (:meth:`BlobStore.put_rows`).
+
+        Why column by column: the claim answers a few of the put's columns' rows; slicing and
+        combining the whole cached table (its keys and inline placeholders too) first cost more
+        than the rest of the cut."""
+        n = len(indices)
+        first: int | None = indices[0]
+        if indices[-1] - indices[0] != n - 1 or indices != list(range(indices[0], indices[0] + n)):
+            first = None
+        positions = None if first is not None else pa.array(indices, pa.int64())
+
+        def rows(at: int) -> pa.Array:
+            column = table.column(at)
+            part = column.slice(first, n) if positions is None else column.take(positions)
+            return part.chunk(0) if part.num_chunks == 1 else part.combine_chunks()
+
+        columns: dict[int, pa.Array] = {}
+        for value_at, key_at in live.claim_refs:
+            cut = self._blobs.put_rows(table, key_at, indices, table.schema.field(value_at).type)
+            if cut is None:
+                keys = rows(key_at)
+                if keys.null_count == len(keys):  # every value inline
+                    continue
+                cut = self._resolved(rows(value_at), keys)
+            columns[value_at] = cut
+        for at in live.claim_sources:
+            if at >= 0 and at not in columns:
+                columns[at] = rows(at)
+        return columns
+
+    def _columns(self, live: LiveTable,
+                 sources: dict[int, tuple[pa.Table, list[int], list[int]]]) -> dict[int, pa.Array]:
+        """The claim's columns (by position in the payload) from rows of several cached tables:
+        one cut per table, then one reorder into claim order (far cheaper than a slice and a
+        concat per row), by-reference values resolved from their keys."""
+        parts = [_rows_of(table, indices) for table, indices, _ in sources.values()]
+        data = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        order = [p for _, _, positions in sources.values() for p in positions]
+        if len(parts) > 1 and order != sorted(order):
+            data = data.take(_inverse(order))
+        columns = dict(enumerate(data.combine_chunks().columns))
+        for value_at, key_at in live.claim_refs:
+            keys = columns[key_at]
+            if keys.null_count < len(keys):  # some values are in the blob store
+                columns[value_at] = self._resolved(columns[value_at], keys)
+        return columns
+
+    def _read_values(self, live: LiveTable, claimed: list[Row]) -> Payloads:
+        """Values of claimed rows that have none cached, read from DuckDB with those of the next
+        ready rows without them (up to ``settings.load_ahead_rows``), which the cache keeps for the next
+        claims.
+
+        Why ahead: on a large table the query costs milliseconds however few rows it reads, so
+        each claim reading its own rows paid that; read together, the next claims pay nothing.
+
+        A row is marked LOADING while the query runs; a write that replaces its values meanwhile
+        replaces the mark, and then what the query read (older) is not kept.
+        """
+        cfg = self._settings
+        want = cfg.load_ahead_first_rows if live.row_bytes is None else \
+            max(1, min(cfg.load_ahead_rows, cfg.load_ahead_bytes // max(1, live.row_bytes)))
+        with self._index.lock:
+            ahead = [r for r in live.ready_rows(want) if r.payload is None]
+            reading = claimed + ahead
+            for r in reading:
+                r.payload = LOADING
+        loaded: Payloads = {}
+        try:
+            loaded = self.load_payloads(live, [r.row_id for r in reading])
+        finally:
+            with self._index.lock:
+                for r in reading:
+                    if r.payload is LOADING:
+                        r.payload = loaded.get(r.row_id)
+        return loaded
+
+    def load_payloads(self, live: LiveTable, row_ids: list[int]) -> Payloads:
+        """Read rows' claimable values from DuckDB into the claim cache's form (counted there).
+
+        Only rows DuckDB holds lack cached values (rows of the put log stay cached until DuckDB
+        has them), so the read need not wait for the put log to be applied.
+        """
+        if not row_ids:
+            return {}
+        schema = live.tdef.payload_schema()
+        # A semi-join, not a range and list_contains: DuckDB pushes the join's bounds into the
+        # scan, so ids close together skip the other row groups (as with the range), and ids
+        # spread over the table cost much less than with the range (docs/bench/history.md,
+        # "The round of 2026-11-25 01:03").
+        sql = (f"SELECT row_id, {', '.join(map(quote, schema.names))} FROM "
+               f"{quote(live.tdef.name)} WHERE row_id IN (SELECT unnest(?::BIGINT[]))")
+        table = self._readers.cursor(materialize=False).sql(sql, params=[row_ids]).to_arrow_table()
+        ids = table.column("row_id").to_pylist()
+        table = table.drop_columns(["row_id"]).cast(schema)
+        if ids:
+            live.row_bytes = table.get_total_buffer_size() // len(ids)
+        self._index.cache.hold(table)
+        return {rid: (table, i) for i, rid in enumerate(ids)}
+
+    def _resolved(self, inline: pa.ChunkedArray, keys: pa.ChunkedArray) -> pa.Array:
+        """A column's values: inline ones where the blob key is null, else read from blobs."""
+        inline = one_array(inline)
+        values = self._blobs.resolve(keys.to_pylist(), inline.type)
+        if keys.null_count == 0:     # every value by reference: nothing to merge (if_else copies)
+            return values
+        return pc.if_else(pc.is_valid(keys), values, inline)
+
+
+_ONES = pa.array(np.ones(1024, np.int32))
+
+
+def _first_deliveries(n: int) -> pa.Array:
+    """A delivery_count column of ``n`` ones (a claim's rows are usually first deliveries)."""
+    return _ONES.slice(0, n) if n <= len(_ONES) else pa.array(np.ones(n, np.int32))
+
+
+#: A claim's rows from one cached put are cut out as at most this many zero-copy slices (runs of
+#: consecutive rows); more runs take a ``take``, which copies every column of the rows.
+MAX_SLICES = 8
+
+
+def _rows_of(table: pa.Table, indices: list[int]) -> pa.Table:
+    """Rows ``indices`` of ``table``, in that order: zero-copy slices when they form a few
+    ascending runs (the usual case: rows are claimed in about the order they were written; a
+    slice costs next to nothing, where a take copies every column of the rows), else a take."""
+    first = indices[0]
+    if indices[-1] - first == len(indices) - 1 and indices == list(range(first, first + len(indices))):
+        return table.slice(first, len(indices))
+    runs: list[tuple[int, int]] = []
+    start = previous = first
+    for index in indices[1:]:
+        if index != previous + 1:
+            runs.append((start, previous - start + 1))
+            if len(runs) >= MAX_SLICES:
+                return table.take(indices)
+            start = index
+        previous = index
+    runs.append((start, previous - start + 1))
+    return pa.concat_tables([table.slice(at, n) for at, n in runs])
+
+
+def _inverse(order: list[int]) -> list[int]:
+    """The permutation that puts rows listed in ``order`` (their claim positions) back into
+    claim order."""
+    inverse = [0] * len(order)
+    for i, position in enumerate(order):
+        inverse[position] = i
+    return inverse
+
+
+def _fills(prefix: list[Row], matched: set[int], limit: int, group_size: int | None) -> bool:
+    """Whether a claim can take all it may from the matching rows of ``prefix`` (the first ready
+    rows, in claim order): ``limit`` rows, or as many whole groups as fit in it.
+
+    A claim choosing among the matches of a prefix then chooses what it would among the matches
+    of all ready rows: it takes rows in order (a group cut at the end of the prefix gives its
+    first rows), and it stops before the prefix ends. Rows another claim leases meanwhile are
+    skipped, so such a claim may return fewer rows (never others).
+    """
+    if not group_size:
+        return sum(1 for r in prefix if r.row_id in matched) >= limit
+    chosen = 0
+    for _, rows in itertools.groupby(prefix, key=lambda r: (r.version, r.input_id)):
+        whole = sum(1 for r in rows if r.row_id in matched) // group_size
+        chosen += min(whole, (limit - chosen) // group_size) * group_size
+        if chosen + group_size > limit:
+            return True
+    return False
+
+
+def _member_of(row_ids: set[int]) -> Callable[[Row], bool]:
+    return lambda row: row.row_id in row_ids
