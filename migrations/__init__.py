@@ -51,7 +51,7 @@ def upgrade(db_path: str, revision: str = "head") -> None:
     try:
         command.upgrade(_config(db_path), revision)
     except DBAPIError as e:
-        from store.opening import open_error
+        from store.errors import open_error
         raise open_error(db_path, e.orig if e.orig is not None else e) from e
 
 

@@ -7,6 +7,8 @@ the embedded store catches the same classes against a server.
 """
 from __future__ import annotations
 
+import re
+
 
 class ExpstoreError(Exception):
     """Base class of all expstore errors."""
@@ -144,3 +146,30 @@ ERROR_CLASSES: dict[str, type[ExpstoreError]] = {
         PermissionDenied, Unavailable, TableFull, StorageUnavailable,
     )
 }
+
+
+def open_error(path: str, e: BaseException) -> Exception:
+    """The store error for a database file DuckDB could not open: the cause in DuckDB's words
+    (without its exception class or documentation link) and what to do; here, not in
+    store/opening.py, because migrations raise it too (and opening imports the migrations)."""
+    text = _reason(e)
+    if "lock" in text.lower():
+        return StorageError(
+            f"database {path!r} is in use by another process (only one process can write a "
+            f"DuckDB file; when a server owns it, connect to the server with --uri grpc://…): "
+            f"{text}")
+    if "version" in text.lower() and "storage" in text.lower():
+        return CatalogOutdated(f"database {path!r} was written by a newer DuckDB/expstore than "
+                               f"this one can read; upgrade expstore: {text}")
+    if "not a valid duckdb database" in text.lower():
+        return StorageError(f"database {path!r} is not a DuckDB database ({text}); give --db an "
+                            "expstore database or the name of a new file")
+    return StorageError(f"database {path!r} cannot be opened: {text}; check that its directory "
+                        "exists and this user may write there")
+
+
+def _reason(e: BaseException) -> str:
+    """DuckDB's message without its "IO Error:" class prefix and "See also <url>" tail."""
+    text = str(e).strip()
+    text = re.sub(r"\s*See also https?://\S+$", "", text)
+    return re.sub(r"^[A-Za-z ]*Error: ", "", text)
