@@ -29,7 +29,7 @@ from typing import Any
 
 from bench.context import Ctx, Skip
 # (imports no TransferQueue or Ray: those are imported where they run)
-from bench.transferqueue import _tensordict, micro_batches, micro_rows, tq_system
+from bench.transferqueue import micro_batches, micro_rows, tensordict_of, tq_system
 from bench.util import percentiles_ms
 from bench.workloads import WIDE_COLUMNS, wide_table
 
@@ -230,7 +230,7 @@ def transferqueue_baseline(ctx: Ctx, rows: int, one_node: dict[str, float]) -> N
         print(f"  TransferQueue baseline skipped: {e} (pip install 'transferqueue==0.1.11')")
         return
     nbytes = wide_table(rows).nbytes
-    data = _tensordict(micro_rows("wide", rows), rows)
+    data = tensordict_of(micro_rows("wide", rows), rows)
     with tq_system(SequentialSampler()) as client:
         t0 = time.perf_counter()
         client.put(data=data, partition_id="cluster-ingest")

@@ -57,7 +57,8 @@ def tq_system(sampler: Any) -> Iterator[Any]:
         tq.close()
 
 
-def _tensordict(columns: dict[str, Any], n: int) -> Any:
+def tensordict_of(columns: dict[str, Any], n: int) -> Any:
+    """``n`` rows of TransferQueue fields (see :func:`micro_rows`) as one TensorDict."""
     import torch
     from tensordict import TensorDict
     from tensordict.tensorclass import NonTensorData
@@ -92,7 +93,7 @@ def micro_rows(kind: str, n: int) -> dict[str, Any]:
 def micro_batches(client: Any, kind: str, n: int, group: bool) -> list[float]:
     """Durations (s) of ``n`` micro-batches of 16: get_meta + get_data."""
     rows = MICRO * (n + 5)
-    data = _tensordict(micro_rows(kind, rows), rows)
+    data = tensordict_of(micro_rows(kind, rows), rows)
     partition = f"mb-{kind}-{'group' if group else 'plain'}"
     client.put(data=data, partition_id=partition)
     fields = list(data.keys())
@@ -129,7 +130,7 @@ def run(ctx: Ctx) -> None:
     # its controller and each of its 2 storage units reserve a Ray CPU: more than the 2 here
     with local_ray(num_cpus=8):
         with tq_system(SequentialSampler()) as client:
-            data = _tensordict(fields, TQ_ROWS)
+            data = tensordict_of(fields, TQ_ROWS)
             puts, gets = [], []
             for rep in range(repeats):
                 partition = f"tp-{rep}"

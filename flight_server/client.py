@@ -121,6 +121,17 @@ class RemoteStore:
               timeout: float | None = -1.0) -> Any:
         return wire.json_result(self._action(name, body, timeout), name)
 
+    def call_action(self, name: str, body: dict[str, Any] | None = None) -> Any:
+        """Run the server's action ``name`` with a JSON ``body``; its JSON answer (for actions
+        this class has no method for, e.g. a coordinator's ``cluster`` and ``report_lost``)."""
+        return self._json(name, body)
+
+    def open_exchange(self, descriptor: flight.FlightDescriptor
+                      ) -> tuple[flight.FlightStreamWriter, flight.FlightStreamReader]:
+        """Start a ``do_exchange`` stream (a subscription's), with this client's headers and
+        no time limit; its writer and reader."""
+        return self._client.do_exchange(descriptor, self._options(None))
+
     # -- tables --------------------------------------------------------------------------------
     def create_table(self, name: str, columns: Mapping[str, Any], *, if_not_exists: bool = False,
                      max_staleness: int = 0, version_group: str | None = None,

@@ -60,8 +60,7 @@ class RemoteSubscription:
                                    micro_batch_size, global_batch_size, options)
         descriptor = flight.FlightDescriptor.for_command(command.encode())
         try:
-            self._writer, self._reader = remote._client.do_exchange(
-                descriptor, remote._options(None))
+            self._writer, self._reader = remote.open_exchange(descriptor)
             first = self._reader.read_chunk()
         except (flight.FlightError, pa.ArrowException) as e:
             raise from_flight(e) from None

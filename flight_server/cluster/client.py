@@ -386,7 +386,7 @@ class ClusterSubscription(RemoteSubscription):
             except LostValues as e:
                 batch.nack()
                 for node in sorted(e.nodes):
-                    self._cluster._json("report_lost", {"node_id": node})
+                    self._cluster.call_action("report_lost", {"node_id": node})
                 self._cluster.cluster(refresh=True)
         raise Unavailable(f"micro-batches kept finding values on unreachable data nodes after "
                           f"{LOST_RETRIES} tries")

@@ -185,7 +185,7 @@ def wait_registered(uri: str, nodes: int, timeout: float,
                      token=security.node_token(),
                      tls_root_certs=security.tls_root_certs) as s:
         while True:
-            live = [n for n in s._json("cluster")["nodes"] if n["alive"]]
+            live = [n for n in s.call_action("cluster")["nodes"] if n["alive"]]
             if len(live) >= nodes:
                 return
             if time.monotonic() > deadline:
