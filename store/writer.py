@@ -15,10 +15,10 @@ If a group fails, each operation is retried alone so that one bad operation fail
 If DuckDB itself cannot be written (a full disk; a failed checkpoint invalidates the database),
 the writer refuses every change until it recovers (see store/storage_fault.py).
 
-This module is the loop: taking groups, the transaction, the put-log path, storage faults. What
-a group runs lives beside it: the operations and a transaction's effects (store/ops.py), the row
-SQL of puts (store/rows_sql.py), settles and bumps (store/settle.py), checkpoints
-(store/checkpoints.py). The writer reads and changes the in-memory index (store/index.py) it is
+This module is the loop: taking groups, the transaction, storage faults. What a group runs
+lives beside it: the operations and a transaction's effects (store/ops.py), the row SQL of puts
+(store/rows_sql.py), settles and bumps (store/settle.py), the changes waiting in the put log
+(store/logged.py), checkpoints (store/checkpoints.py). The writer reads and changes the in-memory index (store/index.py) it is
 given; it does not know the store facade.
 """
 from __future__ import annotations
@@ -43,7 +43,8 @@ from .live import LiveTable, Row
 from .opening import invalidated, run_checkpoint
 from .ops import BumpOp, CallOp, FlushOp, MergedPutOp, NotLoggable, Op, PutOp, ReadOp, SettleOp, \
     SmallPutOp, Txn, fail, resolve
-from .putlog import PutLog, Record, apply_records, encode
+from .logged import LoggedChanges
+from .putlog import PutLog, apply_records
 from .rows_sql import RowWriter
 from .settings import StoreSettings
 from .settle import bump, log_lease_updates, settle, write_lease_updates
@@ -72,15 +73,8 @@ class Writer:
         self._load_payloads = load_payloads
         self._settings = settings
         self._con = con
-        self._putlog = putlog
-        # Changes durable in the put log, not yet in DuckDB, oldest first.
-        self._logged: list[Record] = []
-        self._logged_values: list[tuple[LiveTable, list[tuple[str, int]], pa.Table]] = []
-        self.logged_rows = 0
-        self._logged_since: float | None = None
-        # After a failed insert of logged rows (a full disk), wait this long before the next try.
-        self._retry_delay = self._settings.materialize_delay
-        self._retry_at = 0.0
+        # Changes durable in the put log, not yet in DuckDB (see store/logged.py).
+        self._logged = LoggedChanges(putlog, index, blobs, settings)
         # Ops; None: close; _WAKE: recompute how long to sleep (see poke)
         self._queue: queue.Queue[Op | object | None] = queue.Queue()
         self._flush_due: float | None = None
@@ -89,9 +83,6 @@ class Writer:
         self._taken: list[Op] = []  # the ops of the group being run
         # Set while the database cannot be written (see store/storage_fault.py).
         self._fault: StorageFault | None = None
-        # After DuckDB was opened again: the logged changes may be in it already (see _recover).
-        self._replay_logged = False
-        self._putlog_failing = False  # a put log write failed (logged once until one works)
         self.commits = 0  # group commits: DuckDB transactions and put-log appends
         self._blob_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expstore-blob-io")
         # CHECKPOINTs run on a thread (and cursor) of their own: see store/checkpoints.py.
@@ -160,6 +151,11 @@ class Writer:
         return None if fault is None else fault.error(len(self._logged), read=True)
 
     @property
+    def logged_rows(self) -> int:
+        """Rows in the put log that DuckDB does not hold yet."""
+        return self._logged.rows
+
+    @property
     def waiting_changes(self) -> int:
         """Acknowledged changes in the put log that DuckDB does not hold yet."""
         return len(self._logged)
@@ -172,8 +168,7 @@ class Writer:
         self._thread.join()
         self._checkpoints.close()
         self._blob_io.shutdown()
-        if self._putlog is not None:
-            self._putlog.close()
+        self._logged.close()
 
     # -- the loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -209,10 +204,10 @@ class Writer:
             timeout = idle if timeout is None else min(timeout, idle)
             if self._flush_due is not None:
                 timeout = max(0.0, min(timeout, self._flush_due - time.monotonic()))
-            if self._logged_since is not None and not self._checkpoint_running():
+            logged_due = self._logged.seconds_to_due()
+            if logged_due is not None and not self._checkpoint_running():
                 # (a running checkpoint wakes the loop when it ends: see Checkpoints)
-                timeout = max(0.0, min(timeout, max(self._logged_since + self._settings.materialize_delay,
-                                                    self._retry_at) - time.monotonic()))
+                timeout = max(0.0, min(timeout, logged_due))
             if self._fault is not None:
                 timeout = min(timeout, self._fault.seconds_to_retry())
             try:
@@ -343,7 +338,7 @@ class Writer:
         self._checkpoints.reopened()
         self._con = self._reopen_database()
         # The changes logged before may have reached DuckDB's WAL in the COMMIT that failed.
-        self._replay_logged = bool(self._logged)
+        self._logged.replay = bool(self._logged)
 
     def _stop_faulted(self) -> None:
         """Close while the database cannot be written: what was acknowledged stays in the put
@@ -351,18 +346,11 @@ class Writer:
         if self._logged:
             log.warning("closing while the database cannot be written: %d acknowledged changes "
                         "stay in the put log %r and are applied when the store opens again",
-                        len(self._logged), getattr(self._putlog, "path", None))
+                        len(self._logged), getattr(self._logged.putlog, "path", None))
         self._drain(StoreClosed("the store is closed"))
 
     def _materialize_due(self) -> bool:
-        if self._logged_since is None:
-            return False
-        if self._checkpoint_running() and self.logged_rows < self._settings.materialize_max_rows:
-            return False
-        now = time.monotonic()
-        return now >= self._retry_at and (
-            self.logged_rows >= self._settings.materialize_rows
-            or now - self._logged_since >= self._settings.materialize_delay)
+        return self._logged.due(self._checkpoint_running())
 
     def _drain(self, error: ExpstoreError) -> None:
         """Fail every op still queued with ``error``."""
@@ -513,19 +501,6 @@ class Writer:
                     if row.payload is None:
                         row.payload = loaded.get(row.row_id)
 
-    def _evict_logged_values(self) -> None:
-        """Drop the cached values of rows just applied from the put log, newest first, while the
-        claim cache is over its limit: DuckDB can serve them now."""
-        values, self._logged_values = self._logged_values, []
-        index = self._index
-        if not index.cache.full:
-            return
-        with index.lock:
-            while values and index.cache.full:
-                live, keys, table = values.pop()
-                live.evict(keys, table)
-                del table  # the last reference: the cache counts its bytes back now
-
     def _transaction(self, ops: list[Op]) -> tuple[list[Any], Txn]:
         index = self._index
         con = self._con
@@ -541,11 +516,11 @@ class Writer:
         # is the group's; one before or after it (the logged changes, the COMMIT) is DuckDB's.
         in_ops = False
         try:
-            if self._putlog is not None:
-                self._putlog.sync_cut()  # see PutLog.clear
+            if self._logged.putlog is not None:
+                self._logged.putlog.sync_cut()  # see PutLog.clear
             con.execute("BEGIN TRANSACTION")
             # first: changes stay in order
-            apply_records(con, self._logged, index.live, replaying=self._replay_logged)
+            apply_records(con, self._logged.records, index.live, replaying=self._logged.replay)
             in_ops = True
             blob_write = self._start_blob_write(txn, ops)
             self._run_ops(txn, ops, results)
@@ -574,8 +549,7 @@ class Writer:
             except duckdb.Error:
                 pass
             if logged:  # not inserted: try again later, less often while it keeps failing
-                self._retry_at = time.monotonic() + self._retry_delay
-                self._retry_delay = min(self._retry_delay * 2, 5.0)
+                self._logged.apply_failed()
             invalid = isinstance(e, duckdb.Error) and invalidated(con, e)
             if invalid or (logged and not in_ops and isinstance(e, (OSError, duckdb.Error))):
                 # DuckDB cannot take what is acknowledged already: refuse every change until
@@ -586,9 +560,9 @@ class Writer:
             raise
         self.commits += 1
         self._checkpoints.committed()
-        self._replay_logged = False
+        self._logged.replay = False
         if logged:
-            self._logged_committed()
+            self._logged.applied()
         self._apply(txn)
         return results, txn
 
@@ -642,7 +616,7 @@ class Writer:
         """
         puts = [op for op in ops if isinstance(op, PutOp)]
         index = self._index
-        if self._putlog is None or (not ops and not index.has_pending_row_updates()) or any(
+        if self._logged.putlog is None or (not ops and not index.has_pending_row_updates()) or any(
                 not isinstance(op, (PutOp, BumpOp)) and not (isinstance(op, SettleOp) and op.ack)
                 for op in ops) \
                 or sum(op.prepared.rows for op in puts) > self._settings.log_put_rows:
@@ -657,54 +631,12 @@ class Writer:
         except Exception:  # noqa: BLE001 - NotLoggable, or an error the DuckDB path reports
             self._blobs.rollback()
             return None
-        blobs = self._blobs
-        writing = self._blob_io.submit(blobs.sync) \
-            if blobs.pending_bytes >= self._settings.overlap_blob_bytes else None
         updates = log_lease_updates(self._index, txn)
-        try:
-            encoded = encode(txn.logged)
-            if writing is None:
-                blobs.sync()
-            else:
-                done, writing = writing, None
-                done.result()  # the chunks are durable before any key to them is
-            self._putlog.write(encoded)
-        except Exception as e:  # noqa: BLE001 - nothing is applied yet: DuckDB takes the group
-            if writing is not None:
-                try:
-                    writing.result()
-                except Exception:  # noqa: BLE001 - the first error is the one logged
-                    pass
-            blobs.rollback()
-            index.requeue_row_updates(updates)
-            # Once until a write works again: on a full disk every group would log it.
-            (log.debug if self._putlog_failing else log.warning)(
-                "put log not written, the group goes to DuckDB: %s", e)
-            self._putlog_failing = True
+        if not self._logged.append(txn, updates, self._blob_io):
             return None
-        self._putlog_failing = False
         self.commits += 1  # a group commit, to the log
-        self._logged.extend(txn.logged)
-        self._logged_values.extend(txn.logged_values)
-        self.logged_rows += sum(rows.num_rows for _, _, rows in txn.logged)
-        if self._logged_since is None:
-            self._logged_since = time.monotonic()
         self._apply(txn)
         return results
-
-    def _logged_committed(self) -> None:
-        """The logged rows are committed to DuckDB: forget them and cut the log back."""
-        self._logged = []
-        self._evict_logged_values()
-        self.logged_rows = 0
-        self._logged_since = None
-        self._retry_delay = self._settings.materialize_delay
-        self._retry_at = 0.0
-        assert self._putlog is not None
-        try:
-            self._putlog.clear()
-        except OSError as e:  # replay skips rows DuckDB has; only a drop + re-create could mind
-            log.error("the put log could not be cut back: %s", e)
 
     def _start_blob_write(self, txn: Txn, ops: list[Op]) -> Future | None:
         """Stage the chunks of the group's puts; when they are large, start writing them.

@@ -41,7 +41,7 @@ STORE_LAYERS = {
     "store.live": INDEX, "store.recovery": INDEX, "store.index": INDEX,
     # the writer (group commits, row SQL, settle/bump, checkpoints) and the reads
     "store.writer": WRITER_READS, "store.ops": WRITER_READS, "store.rows_sql": WRITER_READS,
-    "store.settle": WRITER_READS, "store.checkpoints": WRITER_READS,
+    "store.settle": WRITER_READS, "store.checkpoints": WRITER_READS, "store.logged": WRITER_READS,
     "store.readers": WRITER_READS, "store.claim_engine": WRITER_READS,
     # the facade and what is built on it
     "store.embedded": FACADE, "store.subscription": FACADE, "store": FACADE,

@@ -266,7 +266,7 @@ def test_through_the_server_sql_and_subscriptions_see_logged_puts(tmp_path, slow
             sub = trainer.subscribe("t", micro_batch_size=2, global_batch_size=4)
             for i in range(4):
                 producer.put("t", [_row(i)])
-            logged = srv.store._writer._logged  # acknowledged from the log
+            logged = srv.store._writer._logged.records  # acknowledged from the log
             assert sum(r.num_rows for kind, _, r in logged if kind == "rows") == 4
             got = producer.query("SELECT count(*) AS n, sum(reward) AS r FROM t")
             assert got.to_pylist() == [{"n": 4, "r": 6.0}]
@@ -324,7 +324,7 @@ CHILD_ACKS = textwrap.dedent("""
     claim = s.claim("t", 6)
     s.ack(claim.claim_id)
     s.bump_version("t", weights_uri="file:///w/1")
-    kinds = [r[0] for r in s._writer._logged]
+    kinds = [r[0] for r in s._writer._logged.records]
     assert kinds == ["ack", "bump"], kinds
     print("DONE", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -419,10 +419,10 @@ def test_a_cut_is_durable_before_another_commit(db_path, slow_inserts):
     s.put("t", [_row(1)])
     s.query("SELECT 1")  # applies the record, cuts the log
     assert os.path.getsize(log_path(db_path)) == 0
-    assert s._writer._putlog._cut_unsynced
+    assert s._writer._logged.putlog._cut_unsynced
     claim = s.claim("t", 1)
     s.nack(claim.claim_id)  # a DuckDB commit: the cut is made durable first
-    assert not s._writer._putlog._cut_unsynced
+    assert not s._writer._logged.putlog._cut_unsynced
 
 
 def test_puts_acks_and_bumps_do_not_wait_for_an_idle_checkpoint(tmp_path, monkeypatch):
