@@ -121,7 +121,8 @@ class EmbeddedStore:
 
         def run(con: duckdb.DuckDBPyConnection) -> bool:
             # SQL folds identifiers' case, quoted or not: "EXP" beside "exp" is one table to it.
-            clash = next((t for t in self._index.live if t.lower() == name.lower() and t != name), None)
+            clash = next((t for t in self._index.live if t.lower() == name.lower() and t != name),
+                         None)
             if clash is not None:
                 raise AlreadyExists(f"table {name!r} clashes with the existing table {clash!r}: "
                                     "table names that differ only in case are one name in SQL; "
@@ -161,7 +162,8 @@ class EmbeddedStore:
             con.execute(f"DROP TABLE {quote(name)}")
             con.execute("DELETE FROM _expstore_tables WHERE name = ?", [name])
             group = live.tdef.version_group
-            if not any(t.tdef.version_group == group for n, t in self._index.live.items() if n != name):
+            if not any(t.tdef.version_group == group
+                       for n, t in self._index.live.items() if n != name):
                 con.execute("DELETE FROM _expstore_groups WHERE name = ?", [group])
                 con.execute("DELETE FROM _expstore_versions WHERE version_group = ?", [group])
                 con.execute("DELETE FROM _expstore_settings WHERE key = ?",

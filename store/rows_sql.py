@@ -418,11 +418,13 @@ class RowWriter:
                     next_id += 1
         return row_ids, is_new, next_id
 
-    def _existing_rows(self, con: duckdb.DuckDBPyConnection, table: str, keys: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+    def _existing_rows(self, con: duckdb.DuckDBPyConnection, table: str,
+                       keys: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """Row ids of keys already in DuckDB (only terminal rows can be; live ones are known)."""
         if not self._index.may_have_terminal_rows(table):
             return {}
-        if len(keys) <= self._settings.point_lookup_keys:  # a few filtered scans cost less than one join
+        # a few filtered scans cost less than one join
+        if len(keys) <= self._settings.point_lookup_keys:
             out: dict[tuple[str, int], int] = {}
             for key in keys:
                 hit = con.execute(

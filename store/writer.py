@@ -18,8 +18,8 @@ the writer refuses every change until it recovers (see store/storage_fault.py).
 This module is the loop: taking groups, the transaction, storage faults. What a group runs
 lives beside it: the operations and a transaction's effects (store/ops.py), the row SQL of puts
 (store/rows_sql.py), settles and bumps (store/settle.py), the changes waiting in the put log
-(store/logged.py), checkpoints (store/checkpoints.py). The writer reads and changes the in-memory index (store/index.py) it is
-given; it does not know the store facade.
+(store/logged.py), checkpoints (store/checkpoints.py). The writer reads and changes the in-memory
+index (store/index.py) it is given; it does not know the store facade.
 """
 from __future__ import annotations
 
