@@ -32,8 +32,8 @@ def _wal_bytes(path) -> int:
 
 def _full_wal_at(s, nbytes: int) -> None:
     """Move a running store's full-WAL threshold (the test learns the WAL's size as it goes)."""
-    w = s._writer  # noqa: SLF001
-    w._settings = dataclasses.replace(w._settings, wal_checkpoint_bytes=nbytes)  # noqa: SLF001
+    c = s._writer._checkpoints  # noqa: SLF001 - when the writer checkpoints: store/checkpoints.py
+    c._settings = dataclasses.replace(c._settings, wal_checkpoint_bytes=nbytes)  # noqa: SLF001
 
 
 def test_the_writer_checkpoints_a_full_wal_between_groups(db_path, wait_until):
