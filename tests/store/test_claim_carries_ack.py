@@ -84,7 +84,7 @@ def test_a_failed_ack_commit_gives_the_new_claims_rows_back(tmp_path, monkeypatc
     s = store.connect(str(tmp_path / "x.duckdb"))
     _fill(s, "t", 16)
     first = s.claim("t", 8)
-    live = s._live["t"]                       # noqa: SLF001 - the rows' in-memory state
+    live = s._index.live["t"]                # noqa: SLF001 - the rows' in-memory state
     inject_writer_bug(monkeypatch, s)
     with pytest.raises(ExpstoreError):
         s.claim("t", 8, ack=first.claim_id)
