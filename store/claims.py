@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import pyarrow as pa
 
@@ -53,20 +52,6 @@ class ClaimRequest:
         if self.where is not None:
             predicate_query(self.table, self.where)
         return self
-
-    @classmethod
-    def from_json(cls, d: Any) -> "ClaimRequest":
-        if not isinstance(d, dict):
-            raise InvalidArgument(f"claim request {d!r} is not a JSON object")
-        allowed = {"table", "limit", "where", "group_by", "group_size", "min_rows"}
-        extra = set(d) - allowed
-        if extra:
-            raise InvalidArgument(f"claim request has unknown fields {sorted(extra)}; expected "
-                                  f"{sorted(allowed)}")
-        if "table" not in d or "limit" not in d:
-            raise InvalidArgument("claim request needs 'table' and 'limit'")
-        return cls(d["table"], d["limit"], d.get("where"), d.get("group_by"),
-                   d.get("group_size"), d.get("min_rows", 1)).validated()
 
 
 @dataclass

@@ -181,11 +181,28 @@ class ClaimBody(NamedTuple):
     ack: Any = None
 
 
+REQUEST_FIELDS = ("table", "limit", "where", "group_by", "group_size", "min_rows")
+
+
+def claim_request(d: Any) -> ClaimRequest:
+    """One table's part of a claim body, checked (its values by :meth:`ClaimRequest.validated`)."""
+    if not isinstance(d, dict):
+        raise InvalidArgument(f"claim request {d!r} is not a JSON object")
+    extra = set(d) - set(REQUEST_FIELDS)
+    if extra:
+        raise InvalidArgument(f"claim request has unknown fields {sorted(extra)}; expected "
+                              f"{sorted(REQUEST_FIELDS)}")
+    if "table" not in d or "limit" not in d:
+        raise InvalidArgument("claim request needs 'table' and 'limit'")
+    return ClaimRequest(d["table"], d["limit"], d.get("where"), d.get("group_by"),
+                        d.get("group_size"), d.get("min_rows", 1)).validated()
+
+
 def parse_claim_body(body: dict[str, Any]) -> ClaimBody:
     """A ``claim`` body (or a claim ticket's ``claim``), checked."""
     check_body("claim", body)
     rest = {k: v for k, v in body.items() if k not in ("consumer", "lease_seconds", "ack")}
-    return ClaimBody([ClaimRequest.from_json(rest)], body.get("consumer"),
+    return ClaimBody([claim_request(rest)], body.get("consumer"),
                      body.get("lease_seconds"), body.get("ack"))
 
 
@@ -194,7 +211,7 @@ def parse_claim_many_body(body: dict[str, Any]) -> ClaimBody:
     check_body("claim_many", body)
     if not isinstance(body["requests"], list):
         raise InvalidArgument("claim_many 'requests' must be a list of claim requests")
-    return ClaimBody([ClaimRequest.from_json(r) for r in body["requests"]],
+    return ClaimBody([claim_request(r) for r in body["requests"]],
                      body.get("consumer"), body.get("lease_seconds"))
 
 

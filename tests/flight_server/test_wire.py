@@ -374,6 +374,10 @@ def test_a_malformed_action_body_is_refused(raw, named):
     ("claim_many", {"requests": {"table": "t"}}, "'requests' must be a list"),
     ("claim_many", {"requests": [{"table": "t", "limit": 1, "consumer": "x"}]},
      "unknown fields ['consumer']"),
+    ("claim_many", {"requests": ["t"]}, "claim request 't' is not a JSON object"),
+    ("claim_many", {"requests": [{"table": "t"}]}, "claim request needs 'table' and 'limit'"),
+    ("claim_many", {"requests": [{"table": "t", "limit": "16"}]},
+     "claim limit '16' is invalid; expected an integer in [1, 100000]"),
 ])
 def test_an_action_body_with_wrong_fields_is_refused(name, body, named):
     with pytest.raises(E.InvalidArgument) as e:
