@@ -21,7 +21,7 @@ module                     messages
 from __future__ import annotations
 
 from .actions import (ACTION_FIELDS, CLAIM_ID_KEY, CONSUMER_KEY, EXPIRES_AT_KEY, ClaimBody,
-                      ClaimHeader, action, check_body, check_fields, claim_body,
+                      ClaimHeader, action, check_body, check_fields, claim_body, claim_request,
                       claim_many_body, claim_of_results, claim_of_stream, claim_results,
                       claim_stream_table, encode_body, flag, json_result, parse_body,
                       parse_claim_body, parse_claim_many_body, results_bytes, table_def)
@@ -38,16 +38,17 @@ from .tickets import (MAX_TICKET_BYTES, ClaimTicket, FetchColumn, FetchTicket, S
                       sql_ticket, table_ticket, ticket_document)
 
 __all__ = [
-    "ACTION_FIELDS", "CLAIM_ID_KEY", "CONSUMER_KEY", "EXPIRES_AT_KEY", "MAX_TICKET_BYTES",
-    "MULTI_SCHEMA", "SESSION_COMMAND", "ClaimBody", "ClaimHeader", "ClaimTicket",
-    "ClientMessage", "FetchColumn", "FetchTicket", "MicroBatchMeta", "SessionAnswer",
-    "SessionRequest", "SqlTicket", "SubscribeOptions", "action", "check_body", "check_fields",
+    "ACTION_FIELDS", "CLAIM_ID_KEY", "CONSUMER_KEY", "ClaimBody", "ClaimHeader", "ClaimTicket",
+    "ClientMessage", "EXPIRES_AT_KEY", "FetchColumn", "FetchTicket", "MAX_TICKET_BYTES",
+    "MULTI_SCHEMA", "MicroBatchMeta", "SESSION_COMMAND", "SessionAnswer", "SessionRequest",
+    "SqlTicket", "SubscribeOptions", "action", "check_body", "check_fields",
     "chunks_of_answer", "claim_body", "claim_many_body", "claim_of_results", "claim_of_stream",
-    "claim_results", "claim_stream_table", "code_of", "decode_answer", "encode",
-    "encode_answer", "encode_body", "error_doc", "error_of_doc", "flag", "flight_error",
-    "frame", "from_flight", "is_session", "json_result", "node_put_answer", "parse_body",
-    "parse_claim_body", "parse_claim_many_body", "parse_fetch_ticket", "parse_put_answer",
-    "parse_put_command", "parse_subscribe", "parse_ticket", "put_answer", "put_command",
-    "put_command_of", "put_error_answer", "results_bytes", "split_parts", "table_ticket",
-    "claim_ticket", "is_claim_ticket", "sql_ticket", "table_def", "ticket_document",
+    "claim_request", "claim_results", "claim_stream_table", "claim_ticket", "code_of",
+    "decode_answer", "encode", "encode_answer", "encode_body", "error_doc", "error_of_doc",
+    "flag", "flight_error", "frame", "from_flight", "is_claim_ticket", "is_session",
+    "json_result", "node_put_answer", "parse_body", "parse_claim_body",
+    "parse_claim_many_body", "parse_fetch_ticket", "parse_put_answer", "parse_put_command",
+    "parse_subscribe", "parse_ticket", "put_answer", "put_command", "put_command_of",
+    "put_error_answer", "results_bytes", "split_parts", "sql_ticket", "table_def",
+    "table_ticket", "ticket_document",
 ]
