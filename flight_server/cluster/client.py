@@ -37,7 +37,7 @@ from store.types import one_array, parse_type
 from store.subscription import rows_of_all
 
 from .. import wire
-from ..client import RemoteStore
+from ..client import SESSION_PUT_BYTES, RemoteStore
 from ..wire.errors import from_flight
 from ..subscriber import RemoteSubscription
 from .locations import parse_key, row_keys
@@ -216,6 +216,14 @@ class ClusterStore(RemoteStore):
         if answer is None:
             raise Unavailable(f"data node {location} ended the put without an answer")
         return wire.chunks_of_answer(answer.to_pybytes())
+
+    def _on_session(self, arrow: pa.Table) -> bool:
+        """The coordinator's half of a put holds keys and simple columns: it goes on the
+        session whenever it is small in bytes, however many rows it has (a ``do_put`` call of
+        its own cost a producer more than the session's message)."""
+        return self._use_sessions and arrow.num_rows > 0 and (
+            arrow.get_total_buffer_size() <= SESSION_PUT_BYTES
+            or arrow.nbytes <= SESSION_PUT_BYTES)
 
     # -- claims ------------------------------------------------------------------------------------
     def _streams_claims(self, table: str, limit: int) -> bool:

@@ -445,3 +445,22 @@ def test_gc_deletes_the_segments_no_row_names_on_the_data_nodes(tmp_path):
         assert set(json.loads(ran.output)["data_nodes"]) == {"dn-0", "dn-1", "dn-2"}
     finally:
         c.close()
+
+
+def test_the_coordinators_half_of_a_put_travels_on_the_session(cluster):
+    """Keys and simple columns of 256 rows are small: one message on the client's open
+    session, not a do_put call of their own (a new call per put cost the producer more)."""
+    def calls(verb: str) -> float:
+        return cluster.coordinator.metrics.registry.get_sample_value(
+            "expstore_request_seconds_count", {"verb": verb}) or 0.0
+
+    with client(cluster, 0) as producer:
+        make_table(producer)
+        producer.put("t", rows("warm", 1))       # the session learns it carries puts
+        # (a call is counted once the server is done with it: after its answer)
+        wait_until(lambda: calls("put") == 1, timeout=10, message="the first put counted")
+        producer.put("t", rows("a", 256))
+        wait_until(lambda: calls("do_put") + calls("put") == 2, timeout=10,
+                   message="the second put counted")
+        assert (calls("do_put"), calls("put")) == (0, 2)
+        assert producer.stats("t")["t"]["ready"] == 257
