@@ -43,7 +43,7 @@ from .recovery import load_state
 from .schema import TableDef
 from .settings import StoreSettings
 from .sqlguard import check_select
-from .sqlvalues import drop_keys
+from .sqlvalues import drop_keys, whole_table, with_values
 from .writer import Writer
 
 log = logging.getLogger("expstore.store")
@@ -632,6 +632,12 @@ class EmbeddedStore:
         readers = self._readers
         deadline = readers.take_query_slot(limit, "the query")
         try:
+            name = whole_table(sql) if not params else None
+            live = self._index.live.get(name) if name is not None else None
+            if live is not None and live.claim_refs:
+                # a whole table: read as stored, its values cut afterwards (see whole_table)
+                stored = readers.run(sql, [], limit, deadline, stored=live.tdef.name)
+                return drop_keys(with_values(self.blobs, stored, live.tdef))
             return drop_keys(readers.run(sql, list(params or []), limit, deadline))
         finally:
             readers.release_query_slot()

@@ -21,6 +21,7 @@ import pyarrow as pa
 from .blobs import BlobStore
 from .errors import QueryBusy, QueryRefused, QueryTimeout, StorageError, StoreClosed
 from .index import StoreIndex
+from .naming import quote
 from .sqlvalues import ValueCursor, ValueViews
 
 
@@ -144,9 +145,10 @@ class Readers:
         self._slots.release()
 
     def run(self, sql: str, params: list[Any], timeout: float,
-            deadline: float | None = None) -> pa.Table:
+            deadline: float | None = None, stored: str | None = None) -> pa.Table:
         """Run users' SQL (a query or a claim predicate) on this thread's value cursor;
-        cancelled after ``timeout`` seconds, or at ``deadline`` (monotonic)."""
+        cancelled after ``timeout`` seconds, or at ``deadline`` (monotonic). ``stored``: read
+        that table whole as stored (keys, no values) instead of running ``sql``."""
         left = timeout if deadline is None else deadline - time.monotonic()
         if left <= 0:
             raise QueryTimeout(f"query ran past its {timeout} s limit (waiting for a query slot "
@@ -154,6 +156,8 @@ class Readers:
         values = self.value_cursor()
         cursor = values.cursor
         values.take_error()
+        if stored is not None:
+            sql = f"SELECT * FROM {quote(values.database)}.main.{quote(stored)}"
         timer = threading.Timer(left, cursor.interrupt)
         timer.daemon = True
         timer.start()

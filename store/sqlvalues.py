@@ -19,6 +19,10 @@ the guard refuses in users' SQL, so only the views call it, on keys the store wr
 accepts nothing but well-formed keys (``segment:offset:length:row``), which name chunks inside
 the store's own segment files and are checked against their checksums when read.
 
+One shape of query skips the views: a whole table's ``SELECT *`` (:func:`whole_table`) is run on
+the stored table and its values put in afterwards (:func:`with_values`), the same result
+without every value passing through DuckDB twice.
+
 Each query cursor has resolvers of its own (DuckDB's functions are global to the database, so
 they are named per cursor): a cursor runs one query at a time, so a blob error recorded by its
 resolver belongs to that query and can be raised to the caller as the :class:`StorageError` it
@@ -27,6 +31,7 @@ was, instead of the text DuckDB wraps it in.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import threading
 import uuid
@@ -34,13 +39,14 @@ from typing import Iterable
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 from duckdb.func import PythonUDFType
 
 from .blobs import BlobStore
 from .errors import StorageError
 from .naming import quote
 from .schema import TableDef
-from .sqlguard import INTERNAL_FUNCTION_PREFIX
+from .sqlguard import INTERNAL_FUNCTION_PREFIX, _parse_tree
 from .types import duckdb_type
 
 # A blob key: segment, offset, length, row (see store/blobs.py).
@@ -149,6 +155,67 @@ def _resolve(blobs: BlobStore, keys: pa.Array | pa.ChunkedArray,
             raise StorageError(f"blob key {key!r} is not a key of this store; expected "
                                "'segment:offset:length:row' (four whole numbers)")
     return blobs.resolve(listed, value_type)
+
+
+# What a whole table's ``SELECT *`` holds beside its one star and one table: nothing.
+_BARE_SELECT: dict[str, object] = {
+    "modifiers": [], "where_clause": None, "group_expressions": [], "group_sets": [],
+    "having": None, "sample": None, "qualify": None}
+_BARE_STAR: dict[str, object] = {
+    "relation_name": "", "exclude_list": [], "replace_list": [], "columns": False, "expr": None,
+    "qualified_exclude_list": [], "rename_list": []}
+
+
+def whole_table(sql: str) -> str | None:
+    """The table ``sql`` reads whole, when it is exactly ``SELECT * FROM <table>`` (no filter,
+    order, limit, other column or clause), else None.
+
+    Why: such a query returns each by-reference value as stored, so the store can run it on
+    the stored table (keys in place of values) and cut the values afterwards, by row number
+    from the chunks they are in (:meth:`BlobStore.resolve_keys`), instead of DuckDB taking each
+    value in through the resolver and handing it out again: most of such a query's time, and
+    a copy of every value twice."""
+    try:
+        tree = json.loads(_parse_tree(sql)[0])
+        (statement,) = tree["statements"]
+        node = statement["node"]
+        (star,) = node["select_list"]
+        source = node["from_table"]
+    except (ValueError, KeyError, TypeError, duckdb.Error):
+        return None
+    if node.get("type") != "SELECT_NODE" or node.get("cte_map", {}).get("map") != [] \
+            or any(node.get(k, "absent") != v for k, v in _BARE_SELECT.items()) \
+            or star.get("class") != "STAR" \
+            or any(star.get(k, "absent") != v for k, v in _BARE_STAR.items()) \
+            or source.get("type") != "BASE_TABLE" or source.get("sample") is not None \
+            or source.get("at_clause") is not None or source.get("catalog_name") != "" \
+            or source.get("schema_name") not in ("", "main") \
+            or source.get("column_name_alias") != [] or source.get("alias") != "":
+        return None
+    name = source.get("table_name")
+    return name if isinstance(name, str) else None
+
+
+def with_values(blobs: BlobStore, table: pa.Table, tdef: TableDef) -> pa.Table:
+    """``table`` (rows of ``tdef``'s stored table, keys included) with each by-reference
+    column's values in place: cut in bulk where the keys are a run of one chunk's rows, else
+    resolved key by key; as the resolving views give them (same types)."""
+    for c in tdef.columns:
+        if not c.ref or c.ref not in table.column_names or c.name not in table.column_names:
+            continue
+        keys = table.column(c.ref)
+        if keys.null_count == len(keys):
+            continue
+        at = table.schema.get_field_index(c.name)
+        target = table.schema.field(at).type
+        inline = table.column(at)
+        values = blobs.resolve_keys(keys, target) if keys.null_count == 0 else None
+        if values is None:
+            resolved = blobs.resolve(keys.to_pylist(), target)
+            values = resolved if keys.null_count == 0 else \
+                pc.if_else(pc.is_valid(keys), resolved, inline)
+        table = table.set_column(at, table.schema.field(at), values)
+    return table
 
 
 def drop_keys(table: pa.Table) -> pa.Table:

@@ -299,3 +299,43 @@ def test_select_star_of_a_put_resolves_its_keys_in_bulk(embedded_store, monkeypa
     # a few rows picked by a filter still go key by key, and agree
     few = s.query("SELECT text FROM big WHERE sample_id = 'q7_0_0'").column(0).to_pylist()
     assert few == ["row 7 " * 30]
+
+
+@pytest.mark.parametrize("sql, table", [
+    ('SELECT * FROM t', "t"), ('select * from "t"', "t"), ("SELECT * FROM main.t", "t"),
+    ("SELECT * FROM t WHERE reward > 1", None), ("SELECT * FROM t LIMIT 3", None),
+    ("SELECT * FROM t ORDER BY reward", None), ("SELECT *, 1 FROM t", None),
+    ("SELECT * EXCLUDE (note) FROM t", None), ("SELECT * REPLACE (1 AS note) FROM t", None),
+    ("SELECT response FROM t", None), ("SELECT DISTINCT * FROM t", None),
+    ("SELECT * FROM t AS x", None), ("SELECT * FROM t, t AS u", None),
+    ("WITH u AS (SELECT 1) SELECT * FROM t", None), ("SELECT * FROM t USING SAMPLE 5", None),
+    ("SELECT * FROM other.main.t", None), ("SELECT * FROM (SELECT * FROM t)", None),
+    ("SELECT * FROM t UNION ALL SELECT * FROM t", None),
+])
+def test_whole_table_reads_are_told_apart(sql, table):
+    from store.sqlvalues import whole_table
+    assert whole_table(sql) == table
+
+
+def test_a_whole_table_is_read_as_stored_and_its_values_cut_afterwards(embedded_store,
+                                                                       monkeypatch):
+    import store.sqlvalues as sqlvalues
+    s = embedded_store
+    _fill(s)
+    s.put("t", {"sample_id": [f"z{i}_0_0" for i in range(200)],   # a second put, another chunk
+                "response": [_response(i) for i in range(200)],
+                "note": [f"m{i}" if i % 3 else None for i in range(200)],
+                "ids": [list(range(i, i + 300)) for i in range(200)],
+                "tt": tensors.to_arrow([np.full((4, 4), i, np.float32) for i in range(200)]),
+                "reward": [float(i) for i in range(200)]})
+    through_duckdb = []
+    real = sqlvalues._resolve
+    monkeypatch.setattr(sqlvalues, "_resolve", lambda *a: through_duckdb.append(1) or real(*a))
+    whole = s.query("SELECT * FROM t")
+    assert through_duckdb == []                 # no value went through DuckDB
+    filtered = s.query("SELECT * FROM t WHERE true")
+    assert through_duckdb                       # (the same rows, through the resolving view)
+    assert whole.equals(filtered)
+    assert whole.num_rows == ROWS + 200 and "response__ref" not in whole.column_names
+    assert sorted(whole.column("note").to_pylist(), key=str) == sorted(
+        [f"n{i}" for i in range(ROWS)] + [f"m{i}" if i % 3 else None for i in range(200)], key=str)
