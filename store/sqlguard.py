@@ -65,6 +65,12 @@ def _parse_tree(sql: str) -> Any:
         return _parser.execute("SELECT json_serialize_sql(?::VARCHAR)", [sql]).fetchone()
 
 
+def parse_tree(sql: str) -> Any:
+    """DuckDB's parse tree of ``sql`` (``json_serialize_sql``, decoded), parsed by the private
+    in-memory database."""
+    return json.loads(_parse_tree(sql)[0])
+
+
 def check_sql_text(sql: object) -> str:
     """Return ``sql`` if it is a non-empty string within the length limit (what a client checks
     before sending; the server checks the rest)."""

@@ -31,7 +31,6 @@ was, instead of the text DuckDB wraps it in.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import threading
 import uuid
@@ -46,7 +45,7 @@ from .blobs import BlobStore
 from .errors import StorageError
 from .naming import quote
 from .schema import TableDef
-from .sqlguard import INTERNAL_FUNCTION_PREFIX, _parse_tree
+from .sqlguard import INTERNAL_FUNCTION_PREFIX, parse_tree
 from .types import duckdb_type
 
 # A blob key: segment, offset, length, row (see store/blobs.py).
@@ -176,7 +175,7 @@ def whole_table(sql: str) -> str | None:
     value in through the resolver and handing it out again: most of such a query's time, and
     a copy of every value twice."""
     try:
-        tree = json.loads(_parse_tree(sql)[0])
+        tree = parse_tree(sql)
         (statement,) = tree["statements"]
         node = statement["node"]
         (star,) = node["select_list"]
