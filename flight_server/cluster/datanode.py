@@ -32,7 +32,7 @@ from store.types import one_array, parse_type
 
 from .. import wire
 from ..auth import principal_of
-from ..errors import flight_errors, from_flight, to_flight
+from ..errors import flight_errors, from_flight
 from .locations import Holder, check_node_id, chunk_location
 from .security import NO_SECURITY, ClusterSecurity
 
@@ -246,8 +246,10 @@ class DataNodeServer(flight.FlightServerBase):
                     writer.done_writing()
                 finally:
                     writer.close()
-                if len(copies) < len(chunks) and group[-1][0] not in copies:
-                    raise Unavailable(f"data node {to} ended a copy without answering")
+                missing = [chunk for chunk, _ in group if chunk not in copies]
+                if missing:
+                    raise Unavailable(f"data node {to} ended the copy of {len(missing)} "
+                                      "chunk(s) without answering")
             except flight.FlightError as e:
                 raise from_flight(e) from None
         self.counters["chunks_copied"] += len(copies)
