@@ -415,7 +415,8 @@ class CoordinatorServer(ExpstoreFlightServer):
         For each data-node column, the rows still to be delivered (not consumed, stale or dead)
         whose key has one lost and one live holder: the live holder copies each such chunk to
         the next live node in ring order (``copy_chunks``), then the rows' keys are rewritten to
-        name both (an upsert of the key column, its policy and finished versions kept)."""
+        name both (an upsert of the key column, its status, policy and finished versions kept
+        as they were)."""
         with self.registry.lock:
             lost = sorted(self.registry.lost)
             live = {k: v["location"] for k, v in self.registry.nodes.items()
@@ -433,9 +434,10 @@ class CoordinatorServer(ExpstoreFlightServer):
 
     def _restore_column(self, table: str, column: str, lost: list[str],
                         live: dict[str, str]) -> int:
+        status = f"{column}_status"      # written back as it is: a streamed value stays open
         rows = self.store.query(
-            f'SELECT sample_id, policy_version, finished_version, "{column}" FROM "{table}" '
-            f"WHERE NOT consumed AND NOT stale AND NOT dead AND "
+            f'SELECT sample_id, policy_version, finished_version, "{status}", "{column}" '
+            f'FROM "{table}" WHERE NOT consumed AND NOT stale AND NOT dead AND '
             f"{degraded_predicate(column, lost)}")
         if rows.num_rows == 0:
             return 0
@@ -480,6 +482,7 @@ class CoordinatorServer(ExpstoreFlightServer):
         update = pa.table({"sample_id": kept.column("sample_id"),
                            "policy_version": kept.column("policy_version"),
                            "finished_version": kept.column("finished_version"),
+                           status: kept.column(status),
                            column: pa.array(new_keys, pa.large_string())})
         try:
             self.store.put(table, update)

@@ -369,6 +369,9 @@ def test_after_a_loss_second_copies_are_restored_so_a_second_loss_loses_nothing(
         make_table(producer)
         producer.put("t", rows("a", 8))
         producer.put("t", rows("b", 8))
+        # a response still being streamed: pending, and it must stay so when its key is rewritten
+        producer.put("t", {"sample_id": ["open0_0_0"], "response": ["so far"],
+                           "response_status": [False], "tokens": [[1]], "reward": [0.5]})
         holders = {h.node for k in producer.query("SELECT tokens FROM t").column(0).to_pylist()
                    for h in parse_key(k)[0]}
         assert len(holders) == 2 and "dn-1" in holders    # the producer's node and a peer
@@ -380,18 +383,21 @@ def test_after_a_loss_second_copies_are_restored_so_a_second_loss_loses_nothing(
         wait_until(lambda: _repaired(trainer), timeout=30,
                    message="second copies restored after the loss of dn-1")
         state = trainer.cluster(refresh=True)
-        assert state["replicas_restored"] == 4     # 2 puts × 2 data-node columns
+        assert state["replicas_restored"] == 6     # 3 puts × 2 data-node columns
+        assert trainer.stats("t")["t"]["pending"] == 1
         keys = trainer.query("SELECT response, tokens FROM t")
         for column in keys.columns:
             assert all({h.node for h in parse_key(k)[0]} == {other, third}
                        for k in column.to_pylist())
         cluster.nodes[int(other[-1])].close()       # the other original holder
-        claim = trainer.claim("t", 16)
+        trainer.put("t", {"sample_id": ["open0_0_0"], "response": ["so far, and done"]})
+        claim = trainer.claim("t", 17)
         got = claim.tables["t"]
-        assert got.num_rows == 16
+        assert got.num_rows == 17
         assert sorted(got.column("response").to_pylist()) == \
-            sorted(rows("a", 8)["response"] + rows("b", 8)["response"])
-        assert sorted(got.column("tokens").to_pylist()) == sorted(rows("a", 8)["tokens"] * 2)
+            sorted(rows("a", 8)["response"] + rows("b", 8)["response"] + ["so far, and done"])
+        assert sorted(got.column("tokens").to_pylist()) == \
+            sorted(rows("a", 8)["tokens"] * 2 + [[1]])
         trainer.ack(claim.claim_id)
         assert trainer.stats("t")["t"]["dead"] == 0
 
