@@ -98,7 +98,8 @@ class DataNodeServer(flight.FlightServerBase):
             try:
                 self._register_once()
             except Exception as e:  # noqa: BLE001 - the coordinator may be restarting
-                log.info("data node %s: coordinator not reachable (%s); retrying", self.node_id, e)
+                log.info("data node %s: registering with the coordinator failed (%s); retrying",
+                         self.node_id, e)
 
     def _register_once(self) -> None:
         assert self.coordinator is not None
