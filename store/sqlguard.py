@@ -56,6 +56,9 @@ _parser: duckdb.DuckDBPyConnection | None = None
 _parser_lock = threading.Lock()
 
 
+# The guard and sqlvalues.whole_table both parse a query; a caller repeating a query (a
+# trainer's or an exporter's loop) parses it once.
+@functools.lru_cache(maxsize=64)
 def _parse_tree(sql: str) -> Any:
     global _parser
     with _parser_lock:
