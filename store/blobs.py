@@ -467,13 +467,7 @@ class BlobStore:
             held = self._recent.get(ck)
         if held is None:
             return None
-        whole = held[0]
-        first = indices[0]
-        if indices[-1] - first == len(indices) - 1 and \
-                indices == list(range(first, first + len(indices))):
-            rows = whole.slice(first, len(indices))
-        else:
-            rows = whole.take(pa.array(indices, pa.int64()))
+        rows = cut(held[0], indices)
         return rows if rows.type == value_type else rows.cast(value_type)
 
     def resolve(self, keys: Sequence[str | None], value_type: pa.DataType) -> pa.Array:
@@ -546,10 +540,8 @@ class BlobStore:
             raise StorageError(f"blob key row out of range in chunk {ck}")
         if whole is None:
             piece = self._read_rows(ck, index, rows)
-        elif rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
-            piece = whole.slice(rows[0], len(rows))
         else:
-            piece = whole.take(pa.array(rows, pa.int64()))
+            piece = cut(whole, rows)
         return piece if piece.type == value_type else piece.cast(value_type)
 
     def _read_rows(self, ck: tuple[int, int, int], index: blob_rows.ChunkIndex | None,
@@ -769,6 +761,40 @@ def _pwritev_run(fd: int, views: list[memoryview], offset: int) -> None:
             else:
                 views[i] = views[i][n:]
                 n = 0
+
+
+#: Rows in at most this many runs of consecutive rows are cut as slices joined by one copy;
+#: more take a ``take``.
+MAX_RUNS = 8
+
+
+def cut(values: pa.Array | pa.ChunkedArray, rows: list[int]) -> pa.Array:
+    """Rows ``rows`` of ``values``, in that order, as one array: a zero-copy slice when they are
+    consecutive, slices joined by one copy when they form a few runs (claims take rows in
+    sample-id order, which runs through a put in a few stretches), else a ``take``.
+
+    Why not always a take: Arrow's take of list and string values is several times slower than
+    copying the same bytes a run at a time (16 rows of 10 list columns in two runs: ~0.84 ms
+    against ~0.2 ms)."""
+    first, n = rows[0], len(rows)
+    if rows[-1] - first == n - 1 and rows == list(range(first, first + n)):
+        part = values.slice(first, n)
+        return part if isinstance(part, pa.Array) else one_array(part)
+    runs: list[tuple[int, int]] = []
+    start = previous = first
+    for row in rows[1:]:
+        if row != previous + 1:
+            runs.append((start, previous - start + 1))
+            if len(runs) >= MAX_RUNS:
+                return one_array(values.take(pa.array(rows, pa.int64())))
+            start = row
+        previous = row
+    runs.append((start, previous - start + 1))
+    pieces: list[pa.Array] = []
+    for at, length in runs:
+        part = values.slice(at, length)
+        pieces.extend([part] if isinstance(part, pa.Array) else part.chunks)
+    return pa.concat_arrays(pieces)
 
 
 def whole_chunk(keys: pa.ChunkedArray) -> tuple[int, int, int] | None:

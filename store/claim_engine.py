@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .blobs import BlobStore
+from .blobs import BlobStore, cut
 from .claims import Claim, ClaimRequest, check_consumer, check_lease_seconds
 from .errors import InvalidArgument, QueryBusy, QueryRefused, QueryTimeout, StorageError
 from .index import StoreIndex
@@ -186,26 +186,18 @@ class ClaimEngine:
         Why column by column: the claim answers a few of the put's columns' rows; slicing and
         combining the whole cached table (its keys and inline placeholders too) first cost more
         than the rest of the cut."""
-        n = len(indices)
-        first: int | None = indices[0]
-        if indices[-1] - indices[0] != n - 1 or indices != list(range(indices[0], indices[0] + n)):
-            first = None
-        positions = None if first is not None else pa.array(indices, pa.int64())
-
         def rows(at: int) -> pa.Array:
-            column = table.column(at)
-            part = column.slice(first, n) if positions is None else column.take(positions)
-            return part.chunk(0) if part.num_chunks == 1 else part.combine_chunks()
+            return cut(table.column(at), indices)
 
         columns: dict[int, pa.Array] = {}
         for value_at, key_at in live.claim_refs:
-            cut = self._blobs.put_rows(table, key_at, indices, table.schema.field(value_at).type)
-            if cut is None:
+            got = self._blobs.put_rows(table, key_at, indices, table.schema.field(value_at).type)
+            if got is None:
                 keys = rows(key_at)
                 if keys.null_count == len(keys):  # every value inline
                     continue
-                cut = self._resolved(rows(value_at), keys)
-            columns[value_at] = cut
+                got = self._resolved(rows(value_at), keys)
+            columns[value_at] = got
         for at in live.claim_sources:
             if at >= 0 and at not in columns:
                 columns[at] = rows(at)

@@ -295,3 +295,21 @@ def test_a_run_of_one_chunks_keys_is_resolved_in_bulk(tmp_path, recent):
                 [f"-{prefix}:{r}" for r in range(3)],
                 ["x", "y", "z"]):
         assert b.resolve_keys(pa.array(odd, pa.string()), cols["ids"].type) is None, odd
+
+
+def test_cut_rows_in_runs_is_a_take():
+    from store.blobs import MAX_RUNS, cut
+    cols = _columns(120)
+    rnd = random.Random(5)
+    cases = [list(range(30, 46)),                                # one run: a slice
+             list(range(80, 88)) + list(range(8, 16)),           # two runs, out of order
+             [3, 4, 5, 3, 4, 5],                                  # a run twice
+             [50, 49, 48],                                        # backwards: runs of one
+             rnd.sample(range(120), MAX_RUNS + 3)]                # more runs than MAX_RUNS
+    for name, arr in cols.items():
+        chunked = pa.chunked_array([arr.slice(0, 70), arr.slice(70)])   # a column of two puts
+        for rows in cases:
+            expected = arr.take(pa.array(rows))
+            for values in (arr, chunked):
+                got = cut(values, rows)
+                assert isinstance(got, pa.Array) and got.equals(expected), (name, rows)
