@@ -11,6 +11,8 @@ test runs:
   ``migrations/``, which opening a database runs, is the one package below it);
 * no ``x._name`` where ``x`` is not ``self``/``cls`` and ``_name`` is a member that a class of
   another module defines (a module may use its own classes' private members: they are one unit).
+  The check goes by name, not by type: ``x._lock`` in a module whose own classes define ``_lock``
+  passes whatever ``x`` is. Tests are not checked (they may look inside what they test).
 """
 from __future__ import annotations
 
