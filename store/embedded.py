@@ -412,7 +412,6 @@ class EmbeddedStore:
             total += int(rows[0][0]) if rows else 0
         return total
 
-    # -- called by the writer (lock held unless said) ----------------------------------------------
     # -- versions ---------------------------------------------------------------------------------
     def get_version(self, table: str) -> int:
         live = self._index.live_table(table)
@@ -788,7 +787,7 @@ class EmbeddedStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- helpers ----------------------------------------------------------------------------------
+
 def _fresh(error: Exception) -> Exception:
     """A new exception like ``error``: one raised in several threads would gather all of their
     tracebacks."""
