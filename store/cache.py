@@ -8,7 +8,7 @@ the cache holds less than its limit; rows put past it are claimed from DuckDB (t
 reads them reads the next ready rows' values too, see ``ClaimEngine._read_values``), and the
 cache fills again as the backlog drains. Rows that the put log holds and DuckDB does not yet
 have are always cached (DuckDB cannot serve them); once applied to DuckDB, they leave the cache
-if it is over its limit (see ``Writer._logged_committed``).
+if it is over its limit (see ``LoggedChanges.applied`` in store/logged.py).
 
 What is counted is the Arrow tables the cache refers to (a put's batch, or rows read back from
 DuckDB), by the size of the buffers they hold (a slice holds its whole buffer; ``nbytes``, which
