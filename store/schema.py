@@ -242,8 +242,9 @@ class TableDef:
         # No PRIMARY KEY on (sample_id, policy_version): the writer thread, the only path to the
         # table, keeps keys unique itself (it decides new vs existing from the live and terminal
         # indexes, or asks DuckDB; see RowWriter._classify in store/rows_sql.py). DuckDB's key
-        # index made every insert markedly slower (docs/bench/history.md, "The round of 2026-11-24 10:10") and DuckDB 2.0
-        # does not use a two-column index for the writer's lookups anyway.
+        # index made every insert markedly slower (docs/bench/history.md, "The round of
+        # 2026-11-24 10:10") and DuckDB 2.0 does not use a two-column index for the writer's
+        # lookups anyway.
         # Tables made with the key by earlier versions keep it; both work the same.
         return f"CREATE TABLE {quote(self.name)} (\n  " + ",\n  ".join(parts) + "\n)"
 
