@@ -24,13 +24,14 @@ import duckdb
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from .barrier import DEFAULT_BARRIER_TIMEOUT, SETTING_PREFIX, Barrier, check_expected, \
-    check_timeout, encode_weights, weights_of
+from .barrier import DEFAULT_BARRIER_TIMEOUT, SETTING_PREFIX, check_expected, check_timeout, \
+    weights_of
+from .barriers import Barriers
 from .blobs import BlobStore
 from .claim_engine import ClaimEngine
 from .claims import Claim, ClaimRequest
 from .errors import AlreadyExists, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
-    StorageError, StoreClosed, TableFull, VersionConflict
+    StorageError, StoreClosed, TableFull
 from .index import StoreIndex
 from .live import Lease, LiveTable
 from .naming import check_identifier, quote
@@ -101,6 +102,9 @@ class EmbeddedStore:
         self._writer = Writer(index, self._con, settings, putlog, blobs=self.blobs,
                               wal_path=f"{path}.wal", reopen=self._reopen_database,
                               load_payloads=lambda live, ids: claims.load_payloads(live, ids))
+        self._barriers = Barriers(
+            index, bump=lambda group, expected, weights: int(self._writer.call(
+                BumpOp(group, expected, weights))), closed=lambda: self._closed)
 
     # -- tables --------------------------------------------------------------------------------
     def create_table(self, name: str, columns: Mapping[str, Any], *, if_not_exists: bool = False,
@@ -495,66 +499,7 @@ class EmbeddedStore:
         if not names:
             raise InvalidArgument("arrive needs at least one table")
         group = self._group_of(names)
-        caller_deadline = None if timeout is None else time.monotonic() + timeout
-        with self._index.changed:
-            while True:
-                if self._closed:
-                    raise StoreClosed("the store is closed")
-                now = time.monotonic()
-                current = self._index.versions.get(group)
-                if current is None:
-                    raise NotFound(f"version group {group!r} does not exist")
-                barrier = self._index.barriers.get(group)
-                if barrier is not None and (barrier.expected < current
-                                            or barrier.forgotten(now)):
-                    del self._index.barriers[group]
-                    barrier = None
-                if current == expected + 1:
-                    return {"version": current, "complete": True, "waiting_for": []}
-                if current != expected:
-                    raise VersionConflict(
-                        f"version of {group!r} is {current}, not the expected {expected}: "
-                        f"table(s) {names} cannot arrive at version {expected}")
-                if barrier is None:
-                    barrier = Barrier(group, expected, self._index.barrier_timeouts.get(
-                        group, DEFAULT_BARRIER_TIMEOUT))
-                    self._index.barriers[group] = barrier
-                if barrier.failed is not None:
-                    barrier.told.update(names)
-                    raise _fresh(barrier.failed)
-                for name in names:
-                    barrier.arrived.setdefault(name, weights_uri)
-                members = self._index.members(group)
-                missing = barrier.missing(members)
-                if not missing and not barrier.bumping:
-                    barrier.bumping = True
-                    break
-                if missing and now >= barrier.deadline:
-                    error = barrier.fail(members, now)
-                    barrier.told.update(names)
-                    self._index.notify()
-                    raise _fresh(error)
-                if caller_deadline is not None and now >= caller_deadline:
-                    return {"version": current, "complete": False, "waiting_for": missing}
-                # While the last arrival's bump commits, wait for it, not for the deadline.
-                wait = barrier.deadline - now if missing else 1.0
-                if caller_deadline is not None:
-                    wait = min(wait, caller_deadline - now)
-                self._index.changed.wait(max(wait, 0.0))
-        # The last member arrived: bump once, for the whole group, outside the lock.
-        try:
-            new = int(self._writer.call(BumpOp(group, expected,
-                                               encode_weights(barrier.arrived))))
-        except ExpstoreError as e:
-            with self._index.changed:
-                if self._index.versions.get(group, -1) > expected:  # bumped meanwhile
-                    return {"version": self._index.versions[group], "complete": True,
-                            "waiting_for": []}
-                barrier.failed, barrier.failed_at = e, time.monotonic()
-                barrier.told.update(names)
-                self._index.notify()
-            raise
-        return {"version": new, "complete": True, "waiting_for": []}
+        return self._barriers.arrive_poll(group, names, expected, weights_uri, timeout)
 
     def set_barrier_timeout(self, table: str, seconds: float) -> float:
         """Set how long the barrier of the table's version group waits for its last member,
@@ -575,20 +520,7 @@ class EmbeddedStore:
     def barrier(self, table: str) -> dict[str, Any]:
         """The state of the table's version group's barrier: ``{"version_group", "version",
         "members", "arrived", "waiting_for", "timeout", "seconds_left", "failed"}``."""
-        group = self._index.live_table(table).tdef.version_group
-        with self._index.lock:
-            members = self._index.members(group)
-            barrier = self._index.barriers.get(group)
-            timeout = self._index.barrier_timeouts.get(group, DEFAULT_BARRIER_TIMEOUT)
-            out: dict[str, Any] = {"version_group": group, "version": self._index.versions[group],
-                                   "members": members, "arrived": [], "waiting_for": [],
-                                   "timeout": timeout, "seconds_left": None, "failed": None}
-            if barrier is not None and barrier.expected == self._index.versions[group]:
-                out.update(arrived=sorted(barrier.arrived),
-                           waiting_for=barrier.missing(members),
-                           seconds_left=max(0.0, barrier.deadline - time.monotonic()),
-                           failed=None if barrier.failed is None else str(barrier.failed))
-            return out
+        return self._barriers.state(self._index.live_table(table).tdef.version_group)
 
     def _group_of(self, tables: list[str]) -> str:
         groups = {name: self._index.live_table(name).tdef.version_group for name in tables}
@@ -786,12 +718,6 @@ class EmbeddedStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _fresh(error: Exception) -> Exception:
-    """A new exception like ``error``: one raised in several threads would gather all of their
-    tracebacks."""
-    return type(error)(str(error))
 
 
 def _done(result: Any) -> Future:

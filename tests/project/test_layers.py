@@ -45,6 +45,7 @@ STORE_LAYERS = {
     "store.writer": WRITER_READS, "store.ops": WRITER_READS, "store.rows_sql": WRITER_READS,
     "store.settle": WRITER_READS, "store.checkpoints": WRITER_READS, "store.logged": WRITER_READS,
     "store.readers": WRITER_READS, "store.claim_engine": WRITER_READS,
+    "store.barriers": WRITER_READS,
     # the facade and what is built on it
     "store.embedded": FACADE, "store.subscription": FACADE, "store": FACADE,
 }
