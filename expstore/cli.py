@@ -243,6 +243,10 @@ def _size_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
 @click.option("--metrics-host", metavar="ADDRESS",
               help="Address /metrics listens on (default: --host), e.g. 127.0.0.1 to keep it "
                    "off the network while Flight listens on 0.0.0.0.")
+@click.option("--set", "store_options", multiple=True, metavar="NAME=VALUE",
+              help="Any store setting (store/settings.py, StoreSettings: its docstring gives each "
+                   "one's meaning and default), e.g. --set query_timeout=10 --set "
+                   "blob_direct_io=off. Repeatable.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True, help="Log level of the server's stderr log.")
 @click.option("--shutdown-grace", metavar="SECONDS", type=click.FloatRange(min=0),
@@ -252,7 +256,7 @@ def _size_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
 def serve(db: str, host: str, port: int, tokens_file: str | None, tls_cert: str | None,
           tls_key: str | None, memory_limit: str | None, cache_limit: int,
           max_live_rows: int | None, metrics_port: int | None, metrics_host: str | None,
-          log_level: str, shutdown_grace: float) -> None:
+          store_options: tuple[str, ...], log_level: str, shutdown_grace: float) -> None:
     """Serve a store over Arrow Flight until SIGINT/SIGTERM.
 
     Prints one line, "expstore serving grpc://HOST:PORT (db PATH)", once it accepts calls. On
@@ -264,7 +268,10 @@ def serve(db: str, host: str, port: int, tokens_file: str | None, tls_cert: str 
     Example:
         expstore serve --db ./expstore.duckdb --port 8815
         expstore serve --tokens-file tokens.json --tls-cert cert.pem --tls-key key.pem
+        expstore serve --set max_concurrent_queries=4 --set blob_segment_bytes=1073741824
     """
+    from store.settings import StoreSettings
+
     from .serve import run_server
 
     logging.basicConfig(stream=sys.stderr, level=log_level.upper(),
@@ -273,11 +280,16 @@ def serve(db: str, host: str, port: int, tokens_file: str | None, tls_cert: str 
         logging.getLogger("alembic").setLevel(logging.WARNING)  # its setup chatter is noise
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("TLS needs both --tls-cert and --tls-key")
+    try:
+        settings = StoreSettings.parse_options(store_options)
+        StoreSettings().with_options(**settings)  # a bad value fails here, before the server
+    except ExpstoreError as e:
+        raise click.BadParameter(str(e), param_hint="--set") from None
     run_server(db, host=host, port=port, tokens_file=tokens_file, tls_cert=tls_cert,
                tls_key=tls_key, memory_limit=memory_limit, cache_limit=cache_limit,
                max_live_rows=max_live_rows, metrics_port=metrics_port,
                metrics_host=metrics_host, warn=lambda message: click.echo(message, err=True),
-               shutdown_grace=shutdown_grace)
+               shutdown_grace=shutdown_grace, store_options=settings)
 
 
 @cli.command()

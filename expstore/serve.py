@@ -151,8 +151,11 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
                cache_limit: int | None = None, max_live_rows: int | None = None,
                metrics_port: int | None = None, metrics_host: str | None = None,
                out: TextIO | None = None, warn: Callable[[str], Any] | None = None,
-               shutdown_grace: float = SHUTDOWN_GRACE_SECONDS) -> int:
+               shutdown_grace: float = SHUTDOWN_GRACE_SECONDS,
+               store_options: dict[str, Any] | None = None) -> int:
     """Serve ``db`` until SIGINT or SIGTERM; print one ready line to ``out``; return 0.
+
+    ``store_options``: more fields of :class:`store.settings.StoreSettings` (``--set``).
 
     A signal's shutdown waits up to ``shutdown_grace`` seconds for open calls (or until a second
     signal); then the store is closed and the process exits 0 without them.
@@ -174,6 +177,7 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
         options["cache_limit"] = cache_limit
     if max_live_rows is not None:
         options["max_live_rows"] = max_live_rows
+    options.update(store_options or {})  # --set is the more specific: it wins over a default
     if metrics_port is not None:
         if metrics_available():
             options["metrics_port"] = metrics_port

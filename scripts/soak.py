@@ -35,7 +35,7 @@ for p in (str(ROOT), str(ROOT / "tests")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from store.blobs import RECENT_BYTES  # noqa: E402
+from store.settings import StoreSettings  # noqa: E402
 
 TABLE = "soak"
 PUT_ROWS = 16
@@ -47,8 +47,8 @@ STALL_SECONDS = 60.0
 #: refused (table_full) and wait 50 ms before putting again, which bounds the server's index.
 MAX_LIVE_ROWS = 200_000
 # The server's memory bound: 2 GB, plus the window of newest blob chunks the blob store keeps
-# readable from memory (store.blobs.RECENT_BYTES), a bounded part of the read path.
-RSS_LIMIT_MB = 2048 + RECENT_BYTES / 2**20
+# readable from memory (StoreSettings.blob_recent_bytes), a bounded part of the read path.
+RSS_LIMIT_MB = 2048 + StoreSettings().blob_recent_bytes / 2**20
 
 
 # -- workers (run in their own processes) --------------------------------------------------------

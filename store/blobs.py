@@ -54,9 +54,10 @@ import xxhash
 
 from . import blob_rows
 from .errors import StorageError
+from .settings import StoreSettings
 from .types import one_array
 
-SEGMENT_BYTES = 256 << 20
+_DEFAULTS = StoreSettings()
 _SEGMENT_NAME = re.compile(r"^seg-(\d{8})\.arrow$")
 
 
@@ -64,8 +65,8 @@ CHUNK_MAGIC = b"EXB2"
 HEADER_BYTES = 16                   # magic, 4 zero bytes, XXH3-64: keeps the stream 8-aligned
 _IPC_CONTINUATION = b"\xff\xff\xff\xff"  # bytes 4-8 of a format-1 chunk (CRC-32 first)
 
-# O_DIRECT segment writes: off with EXPSTORE_BLOB_DIRECT_IO=0 (or by setting DIRECT_IO = False
-# before a store opens), and off by itself where the filesystem refuses them.
+# O_DIRECT segment writes: off with EXPSTORE_BLOB_DIRECT_IO=0 (or StoreSettings.blob_direct_io),
+# and off by itself where the filesystem refuses them.
 DIRECT_IO = os.environ.get("EXPSTORE_BLOB_DIRECT_IO", "1").strip().lower() not in (
     "0", "false", "no", "off")
 _O_DIRECT: int | None = getattr(os, "O_DIRECT", None)
@@ -80,7 +81,6 @@ IN_PLACE_MIN_BYTES = 64 << 10
 _IOV_MAX = 1024                     # buffers per pwritev call (Linux's IOV_MAX)
 INDEX_CACHE = 4096                  # format-3 chunk indexes kept parsed (a few KB each)
 OPEN_SEGMENTS = 16                  # segment files kept open for reading
-RECENT_BYTES = 256 << 20            # the newest chunks kept readable from memory (see sync)
 
 # What BlobStore.append takes: the buffer of serialize_chunk_buffer (or its bytes).
 Chunk = Union[bytes, pa.Buffer]
@@ -166,9 +166,9 @@ def _in_place(chunk: Chunk) -> memoryview | None:
     return memoryview(whole)[:end]
 
 
-def _probe_direct(root: str) -> bool:
+def _probe_direct(root: str, wanted: bool = True) -> bool:
     """Whether ``root``'s filesystem takes an aligned O_DIRECT write (tmpfs refuses the open)."""
-    if not DIRECT_IO or _O_DIRECT is None:
+    if not wanted or _O_DIRECT is None:
         return False
     path = os.path.join(root, f".direct-probe-{uuid.uuid4().hex}")
     try:
@@ -196,7 +196,11 @@ class BlobStore:
     """
 
     def __init__(self, root: str, filesystem: pafs.FileSystem | None = None,
-                 recent_bytes: int = RECENT_BYTES) -> None:
+                 recent_bytes: int = _DEFAULTS.blob_recent_bytes,
+                 segment_bytes: int = _DEFAULTS.blob_segment_bytes,
+                 direct_io: bool | None = None) -> None:
+        """``direct_io``: write segments with O_DIRECT where the filesystem takes it (None: yes,
+        unless the environment says ``EXPSTORE_BLOB_DIRECT_IO=0``)."""
         self.root = root.rstrip("/")
         self._fs = filesystem
         self._local = filesystem is None or isinstance(filesystem, pafs.LocalFileSystem)
@@ -210,6 +214,7 @@ class BlobStore:
             OrderedDict()
         self._fds: OrderedDict[int, _OpenSegment] = OrderedDict()
         self.recent_bytes = recent_bytes
+        self.segment_bytes = segment_bytes
         # (segment, offset, length) -> (the chunk's values over its own buffer, its size)
         self._recent: OrderedDict[tuple[int, int, int], tuple[pa.Array, int]] = OrderedDict()
         self._recent_held = 0
@@ -226,10 +231,11 @@ class BlobStore:
         except OSError as e:
             raise StorageError(f"cannot use blob directory {self.root!r}: {e}") from e
         # Decided once per store; a write refused later (EINVAL) turns it off for good.
-        self._direct = self._local and _probe_direct(self.root)
+        self._direct = self._local and _probe_direct(
+            self.root, DIRECT_IO if direct_io is None else direct_io)
         self._segment = max(segments) if segments else 0
         self._size = self._segment_size(self._segment) if segments else 0
-        if not self._local or self._size >= SEGMENT_BYTES:
+        if not self._local or self._size >= self.segment_bytes:
             self._segment += 1
             self._size = 0
 
@@ -259,7 +265,7 @@ class BlobStore:
     def append(self, chunk: Chunk) -> str:
         """Stage a chunk for the next :meth:`sync`; return its key prefix (add ``:{row}``)."""
         if not self._pending:
-            if self._local and self._size > SEGMENT_BYTES:
+            if self._local and self._size > self.segment_bytes:
                 self._segment += 1
                 self._size = 0
             # O_DIRECT writes start on a block boundary; what lies before it is padding (or,

@@ -77,11 +77,14 @@ class EmbeddedStore:
         self._memory_limit = memory_limit
         self._con = connect_duckdb(path, memory_limit)
         try:
-            self.blobs = BlobStore(blob_dir or f"{path}.blobs", blob_filesystem)
+            self.blobs = BlobStore(blob_dir or f"{path}.blobs", blob_filesystem,
+                                   recent_bytes=settings.blob_recent_bytes,
+                                   segment_bytes=settings.blob_segment_bytes,
+                                   direct_io=settings.blob_direct_io)
             replayed = replay(self._con, path)
             if replayed:
                 log.info("%d rows of the put log inserted after an unclean stop", replayed)
-            state = load_state(self._con)
+            state = load_state(self._con, settings.terminal_index_max)
             putlog = PutLog(log_path(path))
         except BaseException:
             self._con.close()

@@ -114,7 +114,7 @@ class StoreIndex:
 
     def add_table(self, tdef: TableDef) -> None:
         """A created table, after its DDL committed (lock held)."""
-        self.live[tdef.name] = LiveTable(tdef)
+        self.live[tdef.name] = LiveTable(tdef, terminal_max=self.settings.terminal_index_max)
         self.ddl_seq += 1
         self.versions.setdefault(tdef.version_group, 0)
         self.weights.setdefault(tdef.version_group, None)

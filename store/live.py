@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .schema import TableDef
+from .settings import StoreSettings
 
 PENDING, READY, LEASED = "pending", "ready", "processing"
 
@@ -28,9 +29,6 @@ GroupKey = tuple[int, str]     # (policy_version, input_id)
 
 #: A row's payload while a claim reads its values from DuckDB (ClaimEngine._read_values in store/claim_engine.py).
 LOADING: tuple[Any, int] = (None, -1)
-
-#: Terminal rows a table remembers in memory at most; past it, the writer asks DuckDB instead.
-TERMINAL_INDEX_MAX = 1_000_000
 
 
 class Row:
@@ -161,7 +159,8 @@ class _Group:
 class LiveTable:
     """Live rows of one experience table."""
 
-    def __init__(self, tdef: TableDef, next_row_id: int = 0) -> None:
+    def __init__(self, tdef: TableDef, next_row_id: int = 0,
+                 terminal_max: int = StoreSettings.terminal_index_max) -> None:
         self.tdef = tdef
         # A live row's Row, or the RowBlock that holds it until it is built: use row() to get
         # a Row; only the writer's lookup of row ids reads blocks directly.
@@ -186,8 +185,9 @@ class LiveTable:
         # key that is not live needs no DuckDB lookup: policy_version -> sample_id -> row_id.
         # Only versions a put may still carry (>= current version - max_staleness; older ones
         # are refused as stale) are kept, so its size is bounded by the staleness window. None:
-        # not kept (over TERMINAL_INDEX_MAX); the writer then asks DuckDB.
+        # not kept (over terminal_max); the writer then asks DuckDB.
         self.terminal: dict[int, dict[str, int]] | None = {}
+        self.terminal_max = terminal_max
         self.terminal_count = 0
         # Bytes of a row's values as last read from DuckDB (how many rows a claim reads ahead).
         self.row_bytes: int | None = None
@@ -348,7 +348,7 @@ class LiveTable:
         terminal = self.terminal
         if terminal is None:
             return
-        if self.terminal_count >= TERMINAL_INDEX_MAX:
+        if self.terminal_count >= self.terminal_max:
             self.terminal = None  # the writer notices and asks DuckDB (see store/rows_sql.py)
             self.terminal_count = 0
             return

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import duckdb
 
 from .barrier import SETTING_PREFIX
-from .live import TERMINAL_INDEX_MAX, LiveTable, Row
+from .live import LiveTable, Row
+from .settings import StoreSettings
 from .naming import quote
 from .putlog import LeaseUpdate
 from .schema import TableDef
@@ -40,7 +41,8 @@ class State:
     voided: dict[str, list[LeaseUpdate]] = field(default_factory=dict)
 
 
-def load_state(con: duckdb.DuckDBPyConnection) -> State:
+def load_state(con: duckdb.DuckDBPyConnection,
+               terminal_max: int = StoreSettings.terminal_index_max) -> State:
     state = State()
     for name, version in con.execute("SELECT name, version FROM _expstore_groups").fetchall():
         state.versions[name] = int(version)
@@ -58,7 +60,8 @@ def load_state(con: duckdb.DuckDBPyConnection) -> State:
         max_row = con.execute(f"SELECT max(row_id), count(*) FILTER (WHERE consumed OR stale "
                               f"OR dead) FROM {quote(name)}").fetchone()
         assert max_row is not None  # an aggregate always returns one row
-        live = LiveTable(tdef, next_row_id=(int(max_row[0]) + 1) if max_row[0] is not None else 0)
+        live = LiveTable(tdef, next_row_id=(int(max_row[0]) + 1) if max_row[0] is not None else 0,
+                         terminal_max=terminal_max)
         if max_row[1]:
             state.terminal_possible.add(name)
         status = ", ".join(quote(s) for s in tdef.status_columns)
@@ -104,7 +107,7 @@ def _load_terminal(con: duckdb.DuckDBPyConnection, live: LiveTable, bound: int) 
         chunk = cursor.fetchmany(10_000)
         if not chunk:
             break
-        if live.terminal_count + len(chunk) > TERMINAL_INDEX_MAX:
+        if live.terminal_count + len(chunk) > live.terminal_max:
             live.terminal = None  # too many to keep: the writer asks DuckDB
             live.terminal_count = 0
             break

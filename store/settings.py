@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from .cache import DEFAULT_CACHE_LIMIT, parse_size
 from .errors import InvalidArgument
@@ -58,7 +58,19 @@ class StoreSettings:
             (an apply holds up the acks and puts behind it, so not too often).
         materialize_max_rows: while a checkpoint runs, logged rows wait for it up to this many.
 
-    Tuning of claims (store/embedded.py):
+    Tuning of blob segments (store/blobs.py):
+        blob_segment_bytes: a segment file takes new chunks until it holds this many bytes.
+        blob_recent_bytes: the newest chunks stay readable from memory up to this many bytes,
+            so that claims of fresh rows read no file (a bounded part of the server's RSS).
+        blob_direct_io: write segments with O_DIRECT where the filesystem takes it (the page
+            cache is not filled with bytes the store keeps in memory anyway); None: yes, unless
+            the environment says ``EXPSTORE_BLOB_DIRECT_IO=0``.
+
+    Tuning of the index (store/live.py):
+        terminal_index_max: consumed, stale or dead rows a table remembers in memory, so that a
+            re-sent write of one needs no DuckDB lookup; past it, the writer asks DuckDB.
+
+    Tuning of claims (store/claim_engine.py):
         recent_claims: claim ids remembered after they ended, to answer a late ack precisely.
         where_first_rows: ready rows a claim with a predicate evaluates first (then 4x more per
             round).
@@ -94,6 +106,10 @@ class StoreSettings:
     load_ahead_rows: int = 4096
     load_ahead_bytes: int = 16 << 20
     load_ahead_first_rows: int = 1024
+    blob_segment_bytes: int = 256 << 20
+    blob_recent_bytes: int = 256 << 20
+    blob_direct_io: bool | None = None
+    terminal_index_max: int = 1_000_000
 
     def __post_init__(self) -> None:
         m = self.max_live_rows
@@ -103,11 +119,14 @@ class StoreSettings:
         parse_size(self.cache_limit)  # a bad size fails here, naming it
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("memory_limit", "cache_limit", "max_live_rows"):
+            if f.name in ("memory_limit", "cache_limit", "max_live_rows", "blob_direct_io"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise InvalidArgument(f"setting {f.name} = {value!r} is invalid; expected a "
                                       "number ≥ 0")
+        if self.blob_direct_io not in (None, True, False):
+            raise InvalidArgument(f"setting blob_direct_io = {self.blob_direct_io!r} is invalid; "
+                                  "expected True, False or None")
         if self.query_timeout <= 0 or self.max_concurrent_queries < 1:
             raise InvalidArgument(
                 f"query_timeout {self.query_timeout!r} and max_concurrent_queries "
@@ -117,6 +136,25 @@ class StoreSettings:
     def cache_bytes(self) -> int:
         return parse_size(self.cache_limit)
 
+    @classmethod
+    def parse_options(cls, pairs: Iterable[str]) -> dict[str, Any]:
+        """``NAME=VALUE`` texts (``expstore serve --set``) as typed options for :meth:`with_options`.
+
+        >>> StoreSettings.parse_options(["query_timeout=5", "blob_direct_io=off"])
+        {'query_timeout': 5.0, 'blob_direct_io': False}
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        options: dict[str, Any] = {}
+        for pair in pairs:
+            name, sep, text = pair.partition("=")
+            name, text = name.strip(), text.strip()
+            if not sep or name not in fields:
+                raise InvalidArgument(
+                    f"store option {pair!r} is invalid; expected NAME=VALUE with NAME one of: "
+                    f"{', '.join(sorted(fields))}")
+            options[name] = _typed(name, text, getattr(cls, name))
+        return options
+
     def with_options(self, **options: Any) -> "StoreSettings":
         """A copy with ``options`` set; an unknown name is an error naming the valid ones."""
         names = {f.name for f in dataclasses.fields(self)}
@@ -125,3 +163,28 @@ class StoreSettings:
             raise InvalidArgument(f"unknown store option(s) {', '.join(map(repr, unknown))}; "
                                   f"expected some of: {', '.join(sorted(names))}")
         return dataclasses.replace(self, **options) if options else self
+
+
+_NONE = ("none", "null", "")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _typed(name: str, text: str, default: Any) -> Any:
+    """``text`` as the type of the field whose default is ``default`` (sizes stay text: the
+    fields that take them parse them)."""
+    low = text.lower()
+    if name in ("memory_limit", "cache_limit"):
+        return None if low in _NONE and name == "memory_limit" else text
+    if name in ("max_live_rows", "blob_direct_io") and low in _NONE:
+        return None
+    if name == "blob_direct_io" or isinstance(default, bool):
+        if low in _TRUE or low in _FALSE:
+            return low in _TRUE
+        raise InvalidArgument(f"store option {name}={text!r} is invalid; expected on or off")
+    try:
+        return float(text) if isinstance(default, float) else int(text.replace("_", ""))
+    except ValueError:
+        kind = "a number" if isinstance(default, float) else "a whole number"
+        raise InvalidArgument(f"store option {name}={text!r} is invalid; expected {kind}") \
+            from None

@@ -398,3 +398,27 @@ def test_serve_takes_the_cache_and_live_row_limits(start_server, tmp_path):
         with pytest.raises(TableFull, match="max_live_rows of 2"):
             s.put("t", {"sample_id": ["q3_0_0"], "a": [3]})
     assert server.stop(signal.SIGTERM) == 0
+
+
+def test_serve_takes_any_store_setting_through_set(start_server, tmp_path):
+    server = start_server("-m", "expstore.cli", "serve", "--db", str(tmp_path / "s.duckdb"),
+                          "--port", "0", "--set", "cache_limit=32MiB", "--set",
+                          "max_live_rows=1", "--set", "query_timeout=7")
+    uri = server.wait_ready().split()[2]
+    with store.connect(uri) as s:
+        assert s.health()["claim_cache_limit"] == 32 << 20  # --set wins over --cache-limit's default
+        s.create_table("t", {"a": "int64"})
+        s.put("t", {"sample_id": ["q1_0_0"], "a": [1]})
+        with pytest.raises(TableFull, match="max_live_rows of 1"):
+            s.put("t", {"sample_id": ["q2_0_0"], "a": [2]})
+    assert server.stop(signal.SIGTERM) == 0
+
+
+@pytest.mark.parametrize("pair, named", [("no_such_knob=1", "no_such_knob"),
+                                         ("query_timeout=-1", "query_timeout")])
+def test_serve_refuses_a_bad_set_before_it_opens_anything(tmp_path, pair, named):
+    db = tmp_path / "never.duckdb"
+    result = CliRunner().invoke(cli, ["serve", "--db", str(db), "--port", "0", "--set", pair])
+    assert result.exit_code == 2, result.output
+    assert "--set" in result.output and named in result.output
+    assert "Traceback" not in result.output and not db.exists()

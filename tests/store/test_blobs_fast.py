@@ -35,8 +35,7 @@ def _values(n: int, width: int, tag: str) -> pa.Array:
 
 
 def _open(root: str, direct: bool, monkeypatch) -> BlobStore:
-    monkeypatch.setattr(blobs, "DIRECT_IO", direct)
-    b = BlobStore(root)
+    b = BlobStore(root, direct_io=direct)
     if direct and not b._direct:
         pytest.skip(f"the filesystem of {root} refuses O_DIRECT")
     assert b._direct is direct
@@ -214,7 +213,6 @@ def test_a_failed_write_is_cut_off_and_nothing_staged_is_kept(tmp_path, monkeypa
         b.sync()
     assert os.path.getsize(path) == size
     monkeypatch.undo()
-    monkeypatch.setattr(blobs, "DIRECT_IO", direct)
     again = [_values(100, 7000, "again")]
     keys2 = _put(b, again)
     _check(b, keys + keys2, first + again)
@@ -247,9 +245,8 @@ def test_filesystem_refusing_o_direct_gets_the_buffered_path(monkeypatch, tmp_pa
     if not os.path.isdir(shm) or not os.access(shm, os.W_OK):
         pytest.skip("no writable /dev/shm")
     root = os.path.join(shm, f"expstore-test-{os.getpid()}-{random.getrandbits(32)}")
-    monkeypatch.setattr(blobs, "DIRECT_IO", True)
     try:
-        b = BlobStore(root)
+        b = BlobStore(root, direct_io=True)
         if b._direct:
             pytest.skip("/dev/shm takes O_DIRECT here")
         arrays = [_values(100, 7000, "t")]
@@ -276,9 +273,8 @@ def test_o_direct_refused_at_open_is_detected_once(tmp_path, monkeypatch):
 
     if blobs._O_DIRECT is None:
         pytest.skip("no O_DIRECT on this platform")
-    monkeypatch.setattr(blobs, "DIRECT_IO", True)
     monkeypatch.setattr(blobs.os, "open", no_direct)
-    b = BlobStore(str(tmp_path / "blobs"))
+    b = BlobStore(str(tmp_path / "blobs"), direct_io=True)
     assert not b._direct and len(tried) == 1
     arrays = [_values(100, 7000, "r")]
     keys = _put(b, arrays) + _put(b, arrays)
@@ -413,7 +409,6 @@ def _run_and_kill(path: str, run: int, kill_after: int, direct: bool) -> set[str
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
 def test_kill9_during_big_blob_writes_loses_nothing_acknowledged(tmp_path, monkeypatch, direct):
-    monkeypatch.setattr(blobs, "DIRECT_IO", True)
     if direct and not blobs._probe_direct(str(tmp_path)):
         pytest.skip("the filesystem of tmp_path refuses O_DIRECT")
     path = str(tmp_path / "crash.duckdb")

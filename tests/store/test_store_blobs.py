@@ -123,8 +123,7 @@ def test_references_survive_reopen(open_store, db_path):
 
 def test_gc_removes_only_unreferenced_segments(open_store, db_path, monkeypatch):
     # Small segments so that each write lands in a segment of its own.
-    monkeypatch.setattr(store.blobs, "SEGMENT_BYTES", 1024)
-    s = open_store()
+    s = open_store(blob_segment_bytes=1024)
     s.create_table("t", COLUMNS)
     s.create_table("keep", COLUMNS)
     blob_dir = db_path + ".blobs"

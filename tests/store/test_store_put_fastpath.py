@@ -47,16 +47,14 @@ def _consume_all(s, table="t"):
 # -- terminal rows -------------------------------------------------------------------------------
 
 @pytest.fixture(params=["index", "duckdb"])
-def terminal_mode(request, monkeypatch):
-    """Run with the in-memory terminal index, and with it given up (DuckDB answers)."""
-    if request.param == "duckdb":
-        monkeypatch.setattr(store.live, "TERMINAL_INDEX_MAX", 0)
-    return request.param
+def terminal_mode(request):
+    """Store options: the in-memory terminal index, or the index given up (DuckDB answers)."""
+    return {"terminal_index_max": 0} if request.param == "duckdb" else {}
 
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 40])
 def test_rewrite_of_consumed_rows_updates_them_and_stays_consumed(open_store, terminal_mode, rows):
-    s = open_store()
+    s = open_store(**terminal_mode)
     s.create_table("t", COLUMNS)
     sids = [f"q{i}_0_{i % 4}" for i in range(rows)]
     s.put("t", [_full(sid) for sid in sids])
@@ -76,7 +74,7 @@ def test_rewrite_of_consumed_rows_updates_them_and_stays_consumed(open_store, te
         f"n{i}_0_0" for i in range(rows))
     s.close()
     # After a restart the terminal rows are still known.
-    s = open_store()
+    s = open_store(**terminal_mode)
     s.put("t", [_full(sid, 4.0) for sid in sids])
     assert s.query("SELECT count(*) FILTER (WHERE reward = 4.0) AS n FROM t").to_pylist() == [
         {"n": rows}]
@@ -85,7 +83,7 @@ def test_rewrite_of_consumed_rows_updates_them_and_stays_consumed(open_store, te
 
 
 def test_rewrite_of_dead_rows(open_store, terminal_mode):
-    s = open_store()
+    s = open_store(**terminal_mode)
     s.create_table("t", COLUMNS, max_deliveries=1)
     s.put("t", [_full("a_0_0"), _full("b_0_0")])
     claim = s.claim("t", 10)
@@ -99,7 +97,7 @@ def test_rewrite_of_dead_rows(open_store, terminal_mode):
 
 
 def test_terminal_rows_within_the_staleness_window_survive_a_bump(open_store, terminal_mode):
-    s = open_store()
+    s = open_store(**terminal_mode)
     s.create_table("t", COLUMNS, max_staleness=1)
     s.put("t", [_full("a_0_0")])
     _consume_all(s)
@@ -116,7 +114,7 @@ def test_terminal_rows_within_the_staleness_window_survive_a_bump(open_store, te
 
 
 def test_stale_rows_marked_by_a_bump(open_store, terminal_mode):
-    s = open_store()
+    s = open_store(**terminal_mode)
     s.create_table("t", COLUMNS, max_staleness=1)
     s.put("t", [_full("a_0_0"), {"sample_id": "b_0_0", "prompt": "only"}])
     s.bump_version("t")
@@ -126,9 +124,8 @@ def test_stale_rows_marked_by_a_bump(open_store, terminal_mode):
     assert _state(s)["ready"] == 1
 
 
-def test_index_given_up_past_its_limit(open_store, monkeypatch):
-    monkeypatch.setattr(store.live, "TERMINAL_INDEX_MAX", 5)
-    s = open_store()
+def test_index_given_up_past_its_limit(open_store):
+    s = open_store(terminal_index_max=5)
     s.create_table("t", COLUMNS)
     s.put("t", [_full(f"q{i}_0_0") for i in range(3)])
     _consume_all(s)
@@ -142,7 +139,7 @@ def test_index_given_up_past_its_limit(open_store, monkeypatch):
     assert _state(s)["consumed"] == 7 and not s.claim("t", 10)
     assert _assert_one_row_per_key(s) == 7
     s.close()
-    s = open_store()                                           # too many to load: not kept
+    s = open_store(terminal_index_max=5)                       # too many to load: not kept
     assert s._index.live["t"].terminal is None
     s.put("t", [_full("r3_0_0", 1.5)])
     s.put("t", [_full(f"q{i}_0_0", 2.5) for i in range(3)])   # a join, not point lookups

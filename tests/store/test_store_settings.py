@@ -38,3 +38,39 @@ def test_a_bad_setting_is_refused_naming_it_and_nothing_is_opened(tmp_path, opti
     with pytest.raises(InvalidArgument, match=named):
         store.connect(str(path), **options)
     assert not path.exists()
+
+
+def test_options_as_text_become_typed_settings():
+    parsed = StoreSettings.parse_options([
+        "query_timeout=2.5", "max_group_ops=64", "blob_direct_io=off", "max_live_rows=none",
+        "blob_segment_bytes=1_048_576", "cache_limit=64MiB", "memory_limit=2GB"])
+    assert parsed == {"query_timeout": 2.5, "max_group_ops": 64, "blob_direct_io": False,
+                      "max_live_rows": None, "blob_segment_bytes": 1 << 20,
+                      "cache_limit": "64MiB", "memory_limit": "2GB"}
+    assert StoreSettings().with_options(**parsed).cache_bytes == 64 << 20
+
+
+@pytest.mark.parametrize("pair, named", [
+    ("query_timeout", "NAME=VALUE"),
+    ("no_such_knob=1", "no_such_knob"),
+    ("blob_direct_io=sometimes", "expected on or off"),
+    ("merged_put_rows=1.5", "expected a whole number"),
+    ("query_timeout=soon", "expected a number"),
+])
+def test_an_option_text_that_names_no_setting_or_no_value_is_refused(pair, named):
+    with pytest.raises(InvalidArgument, match=named):
+        StoreSettings.parse_options([pair])
+
+
+def test_blob_settings_reach_the_blob_store(open_store, tmp_path):
+    s = open_store(blob_segment_bytes=4096, blob_direct_io=False, blob_recent_bytes=0)
+    assert s.blobs.segment_bytes == 4096 and s.blobs.recent_bytes == 0
+    assert not s.blobs._direct  # noqa: SLF001 - the decision the setting makes
+    s.create_table("t", {"blob": "binary"}, storage={"blob": "ref"})
+    for i in range(3):
+        s.put("t", {"sample_id": [f"q{i}_0_0"], "blob": [bytes([i]) * 8192]})
+    assert len(s.blobs.segments()) >= 3  # each 8 KiB chunk fills a 4 KiB segment by itself
+    claim = s.claim("t", 3)
+    assert sorted(claim.data.column("blob").to_pylist()) == [bytes([i]) * 8192 for i in range(3)]
+    with pytest.raises(InvalidArgument, match="blob_direct_io"):
+        store.connect(str(tmp_path / "y.duckdb"), blob_direct_io="no")
