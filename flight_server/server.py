@@ -68,7 +68,8 @@ class ExpstoreFlightServer(flight.FlightServerBase):
     def __init__(self, db: str | EmbeddedStore, *, host: str = "127.0.0.1", port: int = 8815,
                  tokens_file: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, metrics_port: int | None = None,
-                 metrics_host: str | None = None, **store_options: Any) -> None:
+                 metrics_host: str | None = None, put_pipeline_bytes: int = PUT_PIPELINE_BYTES,
+                 **store_options: Any) -> None:
         tls = None
         scheme = "grpc"
         if tls_cert or tls_key:
@@ -90,6 +91,8 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         # calls from then on, before serve() is called.
         self.host = host
         self.scheme = scheme
+        # the bytes of one do_put stream's batches received but not yet answered, at most
+        self.put_pipeline_bytes = put_pipeline_bytes
         self.flight_sql = _flight_sql_handler(self.store)
         self._stopping = threading.Event()
         self._sessions: set[ActionSession] = set()
@@ -170,7 +173,7 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         with flight_errors(), self.metrics.timed("do_put"):
             table = self._table_of(descriptor)
             self.store.describe(table)  # an unknown table fails before any batch is read
-            answers = _PutAnswers(writer, PUT_PIPELINE, PUT_PIPELINE_BYTES)
+            answers = _PutAnswers(writer, PUT_PIPELINE, self.put_pipeline_bytes)
             index = 0
             # A large batch is checked and serialised on a pool thread while this one receives
             # the next; one at a time, so batches reach the writer (and answers) in stream order.

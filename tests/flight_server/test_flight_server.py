@@ -98,14 +98,13 @@ def test_do_put_answers_every_batch(client):
 
 
 def test_do_put_holds_a_bounded_number_of_bytes_in_flight(tmp_path, monkeypatch):
-    """Batches wait for room before they reach the writer: at most PUT_PIPELINE_BYTES of them
-    (any one batch alone), however fast the client streams; all are answered, in order."""
-    import flight_server.server as server_module
+    """Batches wait for room before they reach the writer: at most ``put_pipeline_bytes`` of
+    them (any one batch alone), however fast the client streams; all are answered, in order."""
     from store.ops import CallOp
 
     size = _rows(["s00_0_0", "s00_0_1"]).nbytes  # every batch below has this size
-    monkeypatch.setattr(server_module, "PUT_PIPELINE_BYTES", int(3.5 * size))
-    with running_server(tmp_path / "x.duckdb") as srv, flight.FlightClient(srv.location) as c:
+    with running_server(tmp_path / "x.duckdb", put_pipeline_bytes=int(3.5 * size)) as srv, \
+            flight.FlightClient(srv.location) as c:
         _create(c)
         queued: list[int] = []
         put_async = srv.store.put_async
