@@ -191,7 +191,7 @@ class EmbeddedStore:
         """A table's definition, current version and published weights."""
         live = self._index.live_table(name)
         d = live.tdef.describe()
-        d["version"] = self._index.versions[live.tdef.version_group]
+        d["version"] = self._index.version_of(live)
         d["weights_uri"] = self.weights_uri(name)
         d["barrier_timeout"] = self._index.barrier_timeouts.get(live.tdef.version_group,
                                                           DEFAULT_BARRIER_TIMEOUT)
@@ -248,7 +248,7 @@ class EmbeddedStore:
 
     def _keys_of(self, live: LiveTable, arrow: pa.Table) -> list[tuple[Any, Any]]:
         """A small put's (sample id, policy version) keys, before the writer prepares it."""
-        versions = put_versions(arrow, self._index.versions[live.tdef.version_group])
+        versions = put_versions(arrow, self._index.version_of(live))
         return list(zip(arrow.column("sample_id").to_pylist(), versions.to_pylist()))
 
     def _check_room(self, live: LiveTable, keys: list[tuple[Any, Any]], limit: int) -> None:
@@ -422,7 +422,7 @@ class EmbeddedStore:
     # -- versions ---------------------------------------------------------------------------------
     def get_version(self, table: str) -> int:
         live = self._index.live_table(table)
-        return self._index.versions[live.tdef.version_group]
+        return self._index.version_of(live)
 
     def bump_version(self, table: str, *, expected: int | None = None,
                      weights_uri: str | None = None) -> int:
@@ -600,7 +600,7 @@ class EmbeddedStore:
         with self._index.lock:
             ready, processing = live.ready_count, live.leased_count
             live_rows = len(live.rows)
-            version = self._index.versions[live.tdef.version_group]
+            version = self._index.version_of(live)
             # Expired leases' stale/dead rows left memory; their flags are not written yet.
             unflushed = self._index.unwritten_row_updates(name)
         total, consumed, stale, dead = (sum(int(r[i]) for r in per_version) for i in (1, 2, 3, 4))

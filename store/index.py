@@ -144,7 +144,7 @@ class StoreIndex:
     def prepare(self, table: str, data: Any) -> PreparedPut:
         """Validate and convert a write to ``table`` against its current version."""
         live = self.live_table(table)
-        return prepare_put(live.tdef, data, self.versions[live.tdef.version_group],
+        return prepare_put(live.tdef, data, self.version_of(live),
                            self.settings.ref_threshold)
 
     def count_put(self, rows: int, puts: int = 1) -> None:

@@ -58,7 +58,7 @@ class RowWriter:
             live = index.live_table(p.table)
             self._check_versions(live, p)
             physical = txn.physical.pop(id(op))
-            version = index.versions[live.tdef.version_group]
+            version = index.version_of(live)
             if isinstance(op, MergedPutOp):
                 results[i] = [{"rows": m.data.num_rows, "version": version} for m in op.members]
                 txn.applies.append(functools.partial(index.count_put, p.rows, len(op.members)))
@@ -78,7 +78,7 @@ class RowWriter:
             self._write_rows(con, txn, batch)
 
     def _check_versions(self, live: LiveTable, p: PreparedPut) -> None:
-        current = self._index.versions[live.tdef.version_group]
+        current = self._index.version_of(live)
         bound = current - live.tdef.max_staleness
         versions = p.physical.column("policy_version").to_numpy()
         high, low = int(versions.max()), int(versions.min())
@@ -118,7 +118,7 @@ class RowWriter:
         clear_mask = np.concatenate([p.clear_mask for p, _ in batch])
         ids = self._row_ids(con, txn, live, keys)
         physical = physical.append_column("row_id", pa.array(ids.row_ids, pa.int64()))
-        current = self._index.versions[live.tdef.version_group]
+        current = self._index.version_of(live)
         if ids.is_new.any():
             new_rows = physical if ids.is_new.all() else physical.filter(pa.array(ids.is_new))
             self._insert(con, txn, live, first, new_rows, current)

@@ -23,7 +23,7 @@ from store.errors import ExpstoreError, InvalidArgument
 from store.ipc import ipc_stream
 from store.schema import ColumnDef, TableDef
 
-from .codec import answer_object, decode_answer, encode, encode_answer
+from .codec import answer_object, decode, decode_answer, encode, encode_answer
 
 #: Each action's body fields: (required, optional). Actions of the coordinator included.
 ACTION_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -86,10 +86,7 @@ def parse_body(raw: bytes, action: str) -> dict[str, Any]:
     error is the one a caller needs first)."""
     if not raw:
         return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise InvalidArgument(f"body of action {action!r} is not valid JSON: {e}") from e
+    body = decode(raw, lambda e: f"body of action {action!r} is not valid JSON: {e}")
     if not isinstance(body, dict):
         raise InvalidArgument(f"body of action {action!r} must be a JSON object, got "
                               f"{type(body).__name__}")

@@ -39,16 +39,6 @@ def decode(raw: bytes | str, problem: Callable[[Exception], str]) -> Any:
         raise InvalidArgument(problem(e)) from None
 
 
-def decode_object(raw: bytes | str, what: str, expected: str) -> dict[str, Any]:
-    """A JSON object sent by a client; InvalidArgument naming ``what`` was sent and what was
-    ``expected`` if it is not valid JSON or not an object."""
-    doc = decode(raw, lambda e: f"{what} is not valid JSON: {e}; expected {expected}")
-    if not isinstance(doc, dict):
-        raise InvalidArgument(f"{what} must be a JSON object, got {type(doc).__name__}; "
-                              f"expected {expected}")
-    return doc
-
-
 def decode_answer(raw: bytes | str, what: str) -> Any:
     """A JSON document a server answered with; a store error naming ``what`` if it is not one
     (a server of another protocol, or a broken one)."""
