@@ -34,7 +34,7 @@ def settle(con: duckdb.DuckDBPyConnection, index: StoreIndex, txn: Txn,
         if op.ack:
             # The claim's lease columns may not be flushed yet (and never will be once the
             # row is consumed), so the ack writes the delivery count and owner itself.
-            version = index.versions[index.live[tname].tdef.version_group]
+            version = index.version_of(index.live[tname])
             n = len(rows)
             record(con, index, txn, ("ack", {"table": tname}, pa.table({
                 "row_id": pa.array([r.row_id for r, _ in rows], pa.int64()),
