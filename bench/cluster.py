@@ -10,9 +10,11 @@ the table is drained. Aggregates are rows over the wall time from the common sta
 task's end.
 The coordinator's CPU (its process, every thread) per sample is measured around each phase.
 
-Ratios are against N = 1 in the same run; the target is ≥ 0.7 × N. TransferQueue
-(bench/transferqueue.py's set-up: its controller and storage units) runs afterwards on the same
-Ray cluster with the same wide rows, one client, as the baseline. Every logical node shares
+Ratios are against N = 1 in the same run; the target is ≥ 0.7 × N. After each N, TransferQueue
+(its controller and N storage units, which it places round-robin over the nodes) runs on the same
+Ray cluster as the baseline: N producers and N trainers pinned one per node, the same rows, puts
+of the same size, micro-batches of 16 by get_meta + get_data (each trainer on its producer's
+partition). Every logical node shares
 this machine's cores, so the ratios only mean scale-out on a machine with cores to spare (N ≤
 cores / 2): N is 1, 2, 4 here, and 8 as well on a machine with 16 cores or more
 (``EXPSTORE_BENCH_CLUSTER_NODES=1,2,4,8`` sets the list).
@@ -29,7 +31,7 @@ from typing import Any
 
 from bench.context import Ctx, Skip
 # (imports no TransferQueue or Ray: those are imported where they run)
-from bench.transferqueue import micro_batches, micro_rows, tensordict_of, tq_system
+from bench.transferqueue import micro_rows, tensordict_of
 from bench.util import percentiles_ms
 from bench.workloads import WIDE_COLUMNS, wide_table
 
@@ -204,6 +206,21 @@ def run(ctx: Ctx) -> None:
             claim_p50, _ = percentiles_ms([t for r in reads for t in r["took"]])
             ctx.record(f"claim16_p50_ms_n{n}", claim_p50, "ms",
                        f"one claim of 16 with its values fetched, p50, {n} node(s)")
+            tq = transferqueue_at(ctx, ray, on, n, rows_per_node, remote_barrier)
+            if tq is not None:
+                suffix = "" if n == 1 else f"_n{n}"
+                ctx.record(f"tq_ingest_mb_s{suffix}", tq["ingest"], "MB/s",
+                           f"TransferQueue wide ingest, {n} node(s), aggregate")
+                ctx.record(f"tq_read_rows_s{suffix}", tq["read"], "rows/s",
+                           f"TransferQueue micro-batches of 16 (get_meta + get_data), {n} "
+                           "node(s), aggregate")
+                ctx.record(f"ingest_vs_tq{suffix}", ingest_mb_s / tq["ingest"], "x",
+                           f"our wide ingest vs TransferQueue's, {n} node(s)")
+                ctx.record(f"read_vs_tq{suffix}", read_rows_s / tq["read"], "x",
+                           f"our micro-batch reads vs TransferQueue's, {n} node(s)")
+                if n == 1:
+                    ctx.record("mb16_p50_tq_over_expstore", tq["claim_p50_ms"] / claim_p50,
+                               "x", "micro-batch of 16 p50: TransferQueue / expstore (one node)")
             if n == counts[0]:
                 base = {"ingest": ingest_mb_s / n, "read": read_rows_s / n,
                         "claim_p50_ms": claim_p50}
@@ -212,41 +229,80 @@ def run(ctx: Ctx) -> None:
                            f"ingest vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
                 ctx.record(f"read_ratio_n{n}", read_rows_s / base["read"], "x",
                            f"reads vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
-        transferqueue_baseline(ctx, rows_per_node, base)
     finally:
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def transferqueue_baseline(ctx: Ctx, rows: int, one_node: dict[str, float]) -> None:
-    """TransferQueue (bench/transferqueue.py's set-up) on the same Ray cluster, same wide rows:
-    one client's put and micro-batches of 16 (get_meta + get_data), beside one expstore node's
-    aggregate (one producer, one trainer)."""
+def tq_produce(partition: str, start: int, rows: int, barrier: Any) -> dict[str, Any]:
+    """One TransferQueue producer: the same wide rows as :func:`produce`, in puts of PUT_ROWS."""
+    import transfer_queue as tq
+    tq.init()                               # attaches to the running controller
+    client = tq.get_client()
+    data = tensordict_of(micro_rows("wide", rows), rows)
+    puts = [data[i:i + PUT_ROWS] for i in range(0, rows, PUT_ROWS)]
+    _meet(barrier)
+    t0 = time.time()
+    for part in puts:
+        client.put(data=part, partition_id=partition)
+    return {"t0": t0, "t1": time.time(), "rows": rows,
+            "bytes": wide_table(rows, start=start).nbytes}  # the same sizes as ours
+
+
+def tq_train(partition: str, batches: int, barrier: Any) -> dict[str, Any]:
+    """One TransferQueue trainer: ``batches`` micro-batches of 16 (get_meta + get_data, which
+    also marks them consumed) from its producer's partition."""
+    import transfer_queue as tq
+    tq.init()
+    client = tq.get_client()
+    fields = [c for c in WIDE_COLUMNS if c != "sample_id"]
+    _meet(barrier)
+    t0 = time.time()
+    rows, took = 0, []
+    for _ in range(batches):
+        c0 = time.perf_counter()
+        meta = client.get_meta(data_fields=fields, batch_size=MICRO_BATCH,
+                               partition_id=partition, task_name="train")
+        batch = client.get_data(meta)
+        took.append(time.perf_counter() - c0)
+        rows += batch.batch_size[0]
+    return {"t0": t0, "t1": time.time(), "rows": rows, "took": took}
+
+
+def transferqueue_at(ctx: Ctx, ray: Any, on: Any, n: int, rows: int,
+                     remote_barrier: Any) -> dict[str, float] | None:
+    """TransferQueue on the same Ray cluster with n nodes' worth of the same load: its
+    controller, n storage units (its default places them round-robin over the nodes), n
+    producers and n trainers pinned one per node as ours are, each producer/trainer pair on
+    its own partition (no contention between trainers: easier than our one shared table)."""
     try:
-        import transfer_queue  # noqa: F401
+        import transfer_queue as tq
+        from omegaconf import OmegaConf
         from transfer_queue import SequentialSampler
     except ImportError as e:
         print(f"  TransferQueue baseline skipped: {e} (pip install 'transferqueue==0.1.11')")
-        return
-    nbytes = wide_table(rows).nbytes
-    data = tensordict_of(micro_rows("wide", rows), rows)
-    with tq_system(SequentialSampler()) as client:
-        t0 = time.perf_counter()
-        client.put(data=data, partition_id="cluster-ingest")
-        put_s = time.perf_counter() - t0
-        client.clear_partition("cluster-ingest")
-        p50, _ = percentiles_ms(micro_batches(client, "wide", ctx.pick(30, 100), group=False))
-    tq_ingest = nbytes / put_s / 1e6
-    tq_reads = MICRO_BATCH / (p50 / 1e3)
-    ctx.record("tq_ingest_mb_s", tq_ingest, "MB/s",
-               f"TransferQueue put of the same {rows} wide rows, same cluster")
-    ctx.record("tq_read_rows_s", tq_reads, "rows/s",
-               "TransferQueue micro-batches of 16 wide (get_meta + get_data), from p50")
-    if one_node:
-        ctx.record("ingest_vs_tq", one_node["ingest"] / tq_ingest, "x",
-                   "one expstore node's wide ingest vs TransferQueue's")
-        ctx.record("read_vs_tq", one_node["read"] / tq_reads, "x",
-                   "one expstore node's micro-batch reads vs TransferQueue's p50 rate")
-        ctx.record("mb16_p50_tq_over_expstore", p50 / one_node["claim_p50_ms"], "x",
-                   "micro-batch of 16 p50: TransferQueue / expstore (one node)")
+        return None
+    conf = OmegaConf.create({"controller": {"sampler": SequentialSampler()},
+                             "backend": {"SimpleStorage": {"num_data_storage_units": n}}},
+                            flags={"allow_objects": True})
+    # one call per worker: a reused worker would keep the client of the controller before
+    produce_task = ray.remote(max_calls=1)(tq_produce)
+    train_task = ray.remote(max_calls=1)(tq_train)
+    tq.init(conf)
+    try:
+        barrier = remote_barrier.remote(n)
+        puts = [produce_task.options(num_cpus=0, scheduling_strategy=on(i))
+                .remote(f"agg-{i}", i * rows, rows, barrier) for i in range(n)]
+        puts = ray.get(puts)
+        batches = ctx.pick(16, 128)
+        barrier = remote_barrier.remote(n)
+        reads = ray.get([train_task.options(num_cpus=0, scheduling_strategy=on(i))
+                         .remote(f"agg-{i}", batches, barrier) for i in range(n)])
+    finally:
+        tq.close()
+    put_wall = max(p["t1"] for p in puts) - min(p["t0"] for p in puts)
+    read_wall = max(r["t1"] for r in reads) - min(r["t0"] for r in reads)
+    p50, _ = percentiles_ms([t for r in reads for t in r["took"]])
+    return {"ingest": sum(p["bytes"] for p in puts) / put_wall / 1e6,
+            "read": sum(r["rows"] for r in reads) / read_wall, "claim_p50_ms": p50}

@@ -111,10 +111,16 @@ TARGETS = [
     *[T(f"cluster coordinator CPU per sample {what}, {n} data nodes vs one node's",
         f"cluster.coord_cpu_us_{key}_n{n}", f"cluster.coord_cpu_us_{key}_n1", 1.25, False)
       for n in (4, 8) for key, what in (("put", "put"), ("read", "read"))],
+    # "every figure ahead of TransferQueue's": its controller, N storage units, N producers and
+    # N trainers on the same Ray cluster and rows, beside ours at the same N
     T("cluster wide ingest, one node, vs TransferQueue on the same Ray cluster",
       "cluster.ingest_vs_tq", None, 1.0, True),
     T("cluster micro-batch reads, one node, vs TransferQueue on the same Ray cluster",
       "cluster.read_vs_tq", None, 1.0, True),
+    *[T(f"cluster {what}, {n} data nodes, vs TransferQueue with {n} storage units",
+        f"cluster.{key}_vs_tq_n{n}", None, 1.0, True)
+      for n in (2, 4, 8) for key, what in (("ingest", "wide ingest"),
+                                           ("read", "micro-batch reads"))],
 ]
 
 
