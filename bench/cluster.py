@@ -76,6 +76,9 @@ class Barrier:
     def start(self) -> float | None:
         return self.start_at
 
+    def arrived_count(self) -> int:
+        return self.arrived
+
 
 def _meet(barrier: Any) -> None:
     import ray
@@ -124,9 +127,24 @@ def train(uri: str, barrier: Any) -> dict[str, Any]:
                 "local": s.fetch_stats["local_fetches"], "fetches": s.fetch_stats["fetches"]}
 
 
-def _wait_all_arrived(ray: Any, barrier: Any) -> None:
-    """Until every task of the phase is connected and waiting (so CPU is counted from there)."""
+#: how long a phase's tasks may take to meet, and to finish, before the phase is reported failed
+PHASE_TIMEOUT = 90.0
+
+
+def _wait_all_arrived(ray: Any, barrier: Any, tasks: list[Any], what: str) -> None:
+    """Until every task of the phase is connected and waiting (so CPU is counted from there).
+    A task that failed before it arrived raises here, and one that never arrives times out,
+    instead of leaving the bench waiting for ever."""
+    deadline = time.monotonic() + PHASE_TIMEOUT
     while ray.get(barrier.start.remote()) is None:
+        done, _ = ray.wait(tasks, num_returns=len(tasks), timeout=0)
+        if done:
+            ray.get(done)                   # a task that ended before the start: its error
+            raise RuntimeError(f"{what}: {len(done)} task(s) ended before the common start")
+        if time.monotonic() > deadline:
+            arrived = ray.get(barrier.arrived_count.remote())
+            raise TimeoutError(f"{what}: {arrived} of {len(tasks)} tasks met in "
+                               f"{PHASE_TIMEOUT:.0f} s")
         time.sleep(0.05)
 
 
@@ -161,74 +179,80 @@ def run(ctx: Ctx) -> None:
         remote_barrier = ray.remote(num_cpus=0)(Barrier)
         base: dict[str, float] = {}
         for n in counts:
-            handle = cluster_up(None, db=os.path.join(tmp, f"coord-{n}.duckdb"),
-                                port=_free_port(), data_dir=os.path.join(tmp, f"data-{n}"),
-                                nodes=ids[:n])
+            print(f"  -- N = {n}", flush=True)
             try:
-                with __import__("store").connect(handle.uri) as s:
-                    s.create_table("wide", WIDE_COLUMNS,
-                                   storage={c: "ref" for c in REF_COLUMNS})
+                handle = cluster_up(None, db=os.path.join(tmp, f"coord-{n}.duckdb"),
+                                    port=_free_port(), data_dir=os.path.join(tmp, f"data-{n}"),
+                                    nodes=ids[:n])
+                try:
+                    with __import__("store").connect(handle.uri) as s:
+                        s.create_table("wide", WIDE_COLUMNS,
+                                       storage={c: "ref" for c in REF_COLUMNS})
 
-                def on(i: int) -> Any:
-                    return NodeAffinitySchedulingStrategy(ids[i], soft=False)
+                    def on(i: int) -> Any:
+                        return NodeAffinitySchedulingStrategy(ids[i], soft=False)
 
-                barrier = remote_barrier.remote(n)
-                puts = [remote_produce.options(num_cpus=0, scheduling_strategy=on(i))
-                        .remote(handle.uri, i * rows_per_node, rows_per_node, barrier)
-                        for i in range(n)]
-                _wait_all_arrived(ray, barrier)
-                cpu0 = ray.get(handle.coordinator.cpu_seconds.remote())
-                puts = ray.get(puts)
-                cpu1 = ray.get(handle.coordinator.cpu_seconds.remote())
-                barrier = remote_barrier.remote(n)
-                reads = [remote_train.options(num_cpus=0, scheduling_strategy=on(i))
-                         .remote(handle.uri, barrier) for i in range(n)]
-                _wait_all_arrived(ray, barrier)
-                cpu1 = ray.get(handle.coordinator.cpu_seconds.remote())
-                reads = ray.get(reads)
-                cpu2 = ray.get(handle.coordinator.cpu_seconds.remote())
-            finally:
-                handle.stop()
-            total = n * rows_per_node
-            put_wall = max(p["t1"] for p in puts) - min(p["t0"] for p in puts)
-            read_wall = max(r["t1"] for r in reads) - min(r["t0"] for r in reads)
-            ingest_mb_s = sum(p["bytes"] for p in puts) / put_wall / 1e6
-            read_rows_s = sum(r["rows"] for r in reads) / read_wall
-            ctx.record(f"ingest_mb_s_n{n}", ingest_mb_s, "MB/s",
-                       f"wide ingest, {n} node(s), aggregate")
-            ctx.record(f"read_rows_s_n{n}", read_rows_s, "rows/s",
-                       f"micro-batch reads (claim 16, pipelined ack), {n} node(s), aggregate")
-            ctx.record(f"coord_cpu_us_put_n{n}", (cpu1 - cpu0) / total * 1e6, "us",
-                       f"coordinator CPU per sample put, {n} node(s)")
-            ctx.record(f"coord_cpu_us_read_n{n}", (cpu2 - cpu1) / max(1, sum(
-                r["rows"] for r in reads)) * 1e6, "us",
-                       f"coordinator CPU per sample read, {n} node(s)")
-            claim_p50, _ = percentiles_ms([t for r in reads for t in r["took"]])
-            ctx.record(f"claim16_p50_ms_n{n}", claim_p50, "ms",
-                       f"one claim of 16 with its values fetched, p50, {n} node(s)")
-            tq = transferqueue_at(ctx, ray, on, n, rows_per_node, remote_barrier)
-            if tq is not None:
-                suffix = "" if n == 1 else f"_n{n}"
-                ctx.record(f"tq_ingest_mb_s{suffix}", tq["ingest"], "MB/s",
-                           f"TransferQueue wide ingest, {n} node(s), aggregate")
-                ctx.record(f"tq_read_rows_s{suffix}", tq["read"], "rows/s",
-                           f"TransferQueue micro-batches of 16 (get_meta + get_data), {n} "
-                           "node(s), aggregate")
-                ctx.record(f"ingest_vs_tq{suffix}", ingest_mb_s / tq["ingest"], "x",
-                           f"our wide ingest vs TransferQueue's, {n} node(s)")
-                ctx.record(f"read_vs_tq{suffix}", read_rows_s / tq["read"], "x",
-                           f"our micro-batch reads vs TransferQueue's, {n} node(s)")
-                if n == 1:
-                    ctx.record("mb16_p50_tq_over_expstore", tq["claim_p50_ms"] / claim_p50,
-                               "x", "micro-batch of 16 p50: TransferQueue / expstore (one node)")
-            if n == counts[0]:
-                base = {"ingest": ingest_mb_s / n, "read": read_rows_s / n,
-                        "claim_p50_ms": claim_p50}
-            else:
-                ctx.record(f"ingest_ratio_n{n}", ingest_mb_s / base["ingest"], "x",
-                           f"ingest vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
-                ctx.record(f"read_ratio_n{n}", read_rows_s / base["read"], "x",
-                           f"reads vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
+                    barrier = remote_barrier.remote(n)
+                    puts = [remote_produce.options(num_cpus=0, scheduling_strategy=on(i))
+                            .remote(handle.uri, i * rows_per_node, rows_per_node, barrier)
+                            for i in range(n)]
+                    _wait_all_arrived(ray, barrier, puts, f"{n} producer(s)")
+                    cpu0 = ray.get(handle.coordinator.cpu_seconds.remote())
+                    puts = ray.get(puts, timeout=PHASE_TIMEOUT)
+                    cpu1 = ray.get(handle.coordinator.cpu_seconds.remote())
+                    barrier = remote_barrier.remote(n)
+                    reads = [remote_train.options(num_cpus=0, scheduling_strategy=on(i))
+                             .remote(handle.uri, barrier) for i in range(n)]
+                    _wait_all_arrived(ray, barrier, reads, f"{n} trainer(s)")
+                    cpu1 = ray.get(handle.coordinator.cpu_seconds.remote())
+                    reads = ray.get(reads, timeout=PHASE_TIMEOUT)
+                    cpu2 = ray.get(handle.coordinator.cpu_seconds.remote())
+                finally:
+                    handle.stop()
+                total = n * rows_per_node
+                put_wall = max(p["t1"] for p in puts) - min(p["t0"] for p in puts)
+                read_wall = max(r["t1"] for r in reads) - min(r["t0"] for r in reads)
+                ingest_mb_s = sum(p["bytes"] for p in puts) / put_wall / 1e6
+                read_rows_s = sum(r["rows"] for r in reads) / read_wall
+                ctx.record(f"ingest_mb_s_n{n}", ingest_mb_s, "MB/s",
+                           f"wide ingest, {n} node(s), aggregate")
+                ctx.record(f"read_rows_s_n{n}", read_rows_s, "rows/s",
+                           f"micro-batch reads (claim 16, pipelined ack), {n} node(s), aggregate")
+                ctx.record(f"coord_cpu_us_put_n{n}", (cpu1 - cpu0) / total * 1e6, "us",
+                           f"coordinator CPU per sample put, {n} node(s)")
+                ctx.record(f"coord_cpu_us_read_n{n}", (cpu2 - cpu1) / max(1, sum(
+                    r["rows"] for r in reads)) * 1e6, "us",
+                           f"coordinator CPU per sample read, {n} node(s)")
+                claim_p50, _ = percentiles_ms([t for r in reads for t in r["took"]])
+                ctx.record(f"claim16_p50_ms_n{n}", claim_p50, "ms",
+                           f"one claim of 16 with its values fetched, p50, {n} node(s)")
+                tq = transferqueue_at(ctx, ray, on, n, rows_per_node, remote_barrier)
+                if tq is not None:
+                    suffix = "" if n == 1 else f"_n{n}"
+                    ctx.record(f"tq_ingest_mb_s{suffix}", tq["ingest"], "MB/s",
+                               f"TransferQueue wide ingest, {n} node(s), aggregate")
+                    ctx.record(f"tq_read_rows_s{suffix}", tq["read"], "rows/s",
+                               f"TransferQueue micro-batches of 16 (get_meta + get_data), {n} "
+                               "node(s), aggregate")
+                    ctx.record(f"ingest_vs_tq{suffix}", ingest_mb_s / tq["ingest"], "x",
+                               f"our wide ingest vs TransferQueue's, {n} node(s)")
+                    ctx.record(f"read_vs_tq{suffix}", read_rows_s / tq["read"], "x",
+                               f"our micro-batch reads vs TransferQueue's, {n} node(s)")
+                    if n == 1:
+                        ctx.record("mb16_p50_tq_over_expstore", tq["claim_p50_ms"] / claim_p50,
+                                   "x", "micro-batch of 16 p50: TransferQueue / expstore (one node)")
+                if not base:
+                    base = {"ingest": ingest_mb_s / n, "read": read_rows_s / n,
+                            "claim_p50_ms": claim_p50}
+                else:
+                    ctx.record(f"ingest_ratio_n{n}", ingest_mb_s / base["ingest"], "x",
+                               f"ingest vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
+                    ctx.record(f"read_ratio_n{n}", read_rows_s / base["read"], "x",
+                               f"reads vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
+            except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:
+                # a failed N (a task that died or never met the others) is reported, and the
+                # other N still run
+                print(f"  N = {n} failed: {type(e).__name__}: {str(e)[:500]}")
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -294,11 +318,12 @@ def transferqueue_at(ctx: Ctx, ray: Any, on: Any, n: int, rows: int,
         barrier = remote_barrier.remote(n)
         puts = [produce_task.options(num_cpus=0, scheduling_strategy=on(i))
                 .remote(f"agg-{i}", i * rows, rows, barrier) for i in range(n)]
-        puts = ray.get(puts)
+        puts = ray.get(puts, timeout=PHASE_TIMEOUT)
         batches = ctx.pick(16, 128)
         barrier = remote_barrier.remote(n)
         reads = ray.get([train_task.options(num_cpus=0, scheduling_strategy=on(i))
-                         .remote(f"agg-{i}", batches, barrier) for i in range(n)])
+                         .remote(f"agg-{i}", batches, barrier) for i in range(n)],
+                        timeout=PHASE_TIMEOUT)
     finally:
         tq.close()
     put_wall = max(p["t1"] for p in puts) - min(p["t0"] for p in puts)
