@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ from store.subscription import rows_of_all
 from .. import wire
 from ..client import SESSION_PUT_BYTES, RemoteStore
 from ..wire.errors import from_flight
+from ..session_client import Answer
 from ..subscriber import RemoteSubscription
 from .locations import parse_key, row_keys
 
@@ -118,6 +120,10 @@ class ClusterStore(RemoteStore):
         self._pool = ThreadPoolExecutor(max_workers=fetch_threads,
                                         thread_name_prefix="expstore-fetch")
         self._rng = random.Random()
+        #: put_async's thread (started by the first one), and its puts not yet answered
+        self._putter: ThreadPoolExecutor | None = None
+        self._putter_lock = threading.Lock()
+        self._pending_puts: set[Future] = set()
         #: what this client fetched: calls, calls served by its own node, bytes
         self.fetch_stats = {"fetches": 0, "local_fetches": 0, "bytes": 0, "parallel": 0}
 
@@ -167,12 +173,36 @@ class ClusterStore(RemoteStore):
         return super().put(table, arrow, timeout=timeout)
 
     def put_async(self, table: str, data: Any) -> Future:
-        done: Future = Future()
-        try:
-            done.set_result(self.put(table, data))
-        except ExpstoreError as e:
-            done.set_exception(e)
+        """:meth:`put` without waiting: the values go to a data node on this client's put
+        thread, and the keys to the coordinator as soon as they are back, on the session where
+        the put is small (the next put's values travel meanwhile). Puts reach the coordinator
+        in the order they were made. The Future resolves once the rows are durable, or raises
+        what put would."""
+        done: Answer = Answer()
+        with self._putter_lock:
+            if self._putter is None:
+                self._putter = ThreadPoolExecutor(max_workers=1,
+                                                  thread_name_prefix="expstore-put")
+            self._pending_puts.add(done)
+        done.add_done_callback(self._put_answered)
+        self._putter.submit(self._put_in_order, table, data, done)
         return done
+
+    def _put_answered(self, done: Future) -> None:
+        with self._putter_lock:
+            self._pending_puts.discard(done)
+
+    def _put_in_order(self, table: str, data: Any, done: Future) -> None:
+        try:
+            arrow = self._with_locations(table, self._arrow(table, data))
+            channel = self._channel() if self._on_session(arrow) else None
+            if channel is not None and channel.carries_puts:
+                keys = self._put_on_session(channel, table, arrow)
+                keys.add_done_callback(lambda f: _settle(done, f))
+            else:
+                done.set_result(RemoteStore.put(self, table, arrow))
+        except Exception as e:  # noqa: BLE001 - whatever put would raise, the Future does
+            done.set_exception(e)
 
     def _with_locations(self, table: str, arrow: pa.Table) -> pa.Table:
         """Put the values of data-node columns on a data node; the table with their keys."""
@@ -362,6 +392,13 @@ class ClusterStore(RemoteStore):
         return table
 
     def close(self) -> None:
+        # puts made before close are sent and answered first (as a single server's session
+        # answers the puts already on it)
+        if self._putter is not None:
+            self._putter.shutdown(wait=True)
+            with self._putter_lock:
+                pending = list(self._pending_puts)
+            wait_futures(pending, timeout=self._timeout)
         super().close()
         self._pool.shutdown(wait=False)
         with self._directory_lock:
@@ -411,3 +448,12 @@ def _scatter(pieces: list[pa.Array], positions: list[np.ndarray], n: int,
     mask = order < 0
     take = pa.array(order, mask=mask) if mask.any() else pa.array(order)
     return values.take(take)
+
+
+def _settle(done: Future, answered: Future) -> None:
+    """Resolve ``done`` as ``answered`` was resolved."""
+    error = answered.exception()
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(answered.result())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -470,3 +471,39 @@ def test_the_coordinators_half_of_a_put_travels_on_the_session(cluster):
                    message="the second put counted")
         assert (calls("do_put"), calls("put")) == (0, 2)
         assert producer.stats("t")["t"]["ready"] == 257
+
+
+def test_put_async_returns_at_once_and_its_puts_land_in_order(cluster):
+    """put_async hands the values to a put thread: the caller goes on while the data node
+    writes (here: while it is held), and the puts reach the coordinator in order."""
+    node = cluster.nodes[0]
+    with client(cluster, 0) as producer:
+        make_table(producer)
+        producer.put("t", rows("warm", 1))
+        futures: list[Any] = []
+        with node._write_lock:                  # the data node cannot store anything now
+            caller = threading.Thread(target=lambda: futures.extend(
+                producer.put_async("t", rows("a", 8, turn=t)) for t in range(3)))
+            caller.start()
+            caller.join(10)
+            assert not caller.is_alive(), "put_async waited for the data node"
+            assert len(futures) == 3 and not any(f.done() for f in futures)
+        assert [f.result(30)["rows"] for f in futures] == [8, 8, 8]
+        order = producer.query("SELECT sample_id FROM t ORDER BY row_id").column(0).to_pylist()
+        assert [int(i.split("_")[1]) for i in order[1:]] == [t for t in range(3) for _ in range(8)]
+        claim = producer.claim("t", 100)
+        assert sorted(claim.tables["t"].column("response").to_pylist()) == sorted(
+            [f"warm0:" + "r" * VALUE] + [v for t in range(3) for v in rows("a", 8, t)["response"]])
+
+
+def test_put_async_raises_through_its_future_and_close_waits_for_its_puts(cluster):
+    with client(cluster, 0) as producer:
+        make_table(producer)
+        bad = producer.put_async("t", {"sample_id": ["x_0_0"], "reward": ["not a number"]})
+        with pytest.raises(InvalidArgument, match="reward"):
+            bad.result(30)
+        for t in range(4):
+            producer.put_async("t", rows("b", 8, turn=t))
+    # (close answered the puts made before it)
+    with client(cluster, 1) as trainer:
+        assert trainer.stats("t")["t"]["ready"] == 32
