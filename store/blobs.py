@@ -78,12 +78,16 @@ STAGING_BYTES = 16 << 20            # the page-aligned buffer O_DIRECT writes go
 # aligned offset with up to 4 KiB of zero padding after it. Why: copying a large chunk through
 # the staging buffer holds the GIL for the whole copy and made the write markedly longer.
 IN_PLACE_MIN_BYTES = 64 << 10
+# ColumnChunks up to this size are serialised, for an O_DIRECT write, into one buffer the store
+# keeps (its pages stay mapped from one write to the next); larger ones into new memory.
+SLOT_BYTES = 16 << 20
 _IOV_MAX = 1024                     # buffers per pwritev call (Linux's IOV_MAX)
 INDEX_CACHE = 4096                  # format-3 chunk indexes kept parsed (a few KB each)
 OPEN_SEGMENTS = 16                  # segment files kept open for reading
 
-# What BlobStore.append takes: the buffer of serialize_chunk_buffer (or its bytes).
-Chunk = Union[bytes, pa.Buffer]
+# What BlobStore.append takes: the buffer of serialize_chunk_buffer (or its bytes), or a
+# ColumnChunk (defined below) to serialise when it is written.
+Chunk = Union[bytes, pa.Buffer, "ColumnChunk"]
 
 
 class _Staged(NamedTuple):
@@ -95,6 +99,57 @@ class _Staged(NamedTuple):
     whole: memoryview | None
 
 
+class _Layout(NamedTuple):
+    """Where a column's chunk puts its parts (see :func:`serialize_chunk_buffer`)."""
+
+    stream: int                     # bytes of the IPC stream
+    length: int                     # the chunk's bytes: header, stream, index
+    schema: bytes | None            # format 3: the schema message the index carries
+    block_rows: int
+    index_len: int
+
+
+def _layout(values: pa.Array) -> _Layout:
+    """The chunk's sizes, without writing it (the IPC stream counted, not copied)."""
+    batch = pa.record_batch([values], names=["v"])
+    size = pa.MockOutputStream()                     # counts bytes, copies nothing
+    with pa.ipc.new_stream(size, batch.schema) as w:
+        w.write_batch(batch)
+    stream = size.size()
+    if not (blob_rows.supported(values.type) and len(values) > 0):
+        return _Layout(stream, HEADER_BYTES + stream, None, 0, 0)
+    schema = batch.schema.serialize().to_pybytes()
+    block_rows = blob_rows.block_rows_for(values)
+    index_len = blob_rows.index_size(len(schema), len(values.buffers()),
+                                     -(-len(values) // block_rows))
+    return _Layout(stream, HEADER_BYTES + stream + index_len, schema, block_rows, index_len)
+
+
+def _write_chunk(values: pa.Array, layout: _Layout, into: pa.Buffer) -> None:
+    """Write the chunk of ``values`` at the start of the mutable buffer ``into``, then zeros up
+    to the next 4 KiB boundary (``into`` holds at least that much)."""
+    length = layout.length
+    batch = pa.record_batch([values], names=["v"])
+    sink = pa.FixedSizeBufferWriter(into)
+    sink.write(bytes(HEADER_BYTES))
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    if layout.schema is not None:
+        chunk = into.slice(0, length)
+        column = pa.ipc.open_stream(chunk.slice(HEADER_BYTES, layout.stream)) \
+            .read_next_batch()[0]
+        index = blob_rows.build_index(column, chunk, layout.schema, layout.block_rows)
+        assert len(index) == layout.index_len
+        sink.write(index)
+        head = blob_rows.INDEX_MAGIC + len(index).to_bytes(4, "little") + \
+            xxhash.xxh3_64_intdigest(index).to_bytes(8, "little")
+    else:
+        digest = xxhash.xxh3_64_intdigest(memoryview(into)[HEADER_BYTES:length])
+        head = CHUNK_MAGIC + bytes(4) + digest.to_bytes(8, "little")
+    sink.write(bytes(_align_up(length) - length))
+    pa.FixedSizeBufferWriter(into).write(head)
+
+
 def serialize_chunk_buffer(values: pa.Array) -> pa.Buffer:
     """One column's large values as a chunk, serialised on the caller's thread into one Arrow
     buffer written once: format 3 (header, IPC stream, row index; see :mod:`store.blob_rows`)
@@ -102,37 +157,61 @@ def serialize_chunk_buffer(values: pa.Array) -> pa.Buffer:
 
     The buffer is the start of an allocation padded with zeros to a 4 KiB multiple, so that a
     large chunk can be written by O_DIRECT in place (see :func:`_in_place`)."""
-    batch = pa.record_batch([values], names=["v"])
-    size = pa.MockOutputStream()                     # counts bytes, copies nothing
-    with pa.ipc.new_stream(size, batch.schema) as w:
-        w.write_batch(batch)
-    stream = size.size()
-    indexed = blob_rows.supported(values.type) and len(values) > 0
-    if indexed:
-        schema = batch.schema.serialize().to_pybytes()
-        block_rows = blob_rows.block_rows_for(values)
-        index_len = blob_rows.index_size(len(schema), len(values.buffers()),
-                                         -(-len(values) // block_rows))
-    length = HEADER_BYTES + stream + (index_len if indexed else 0)
-    padded = pa.allocate_buffer(_align_up(length))   # slices are read-only: write this one
-    sink = pa.FixedSizeBufferWriter(padded)
-    sink.write(bytes(HEADER_BYTES))
-    with pa.ipc.new_stream(sink, batch.schema) as w:
-        w.write_batch(batch)
-    if indexed:
-        chunk = padded.slice(0, length)
-        column = pa.ipc.open_stream(chunk.slice(HEADER_BYTES, stream)).read_next_batch()[0]
-        index = blob_rows.build_index(column, chunk, schema, block_rows)
-        assert len(index) == index_len
-        sink.write(index)
-        head = blob_rows.INDEX_MAGIC + len(index).to_bytes(4, "little") + \
-            xxhash.xxh3_64_intdigest(index).to_bytes(8, "little")
-    else:
-        digest = xxhash.xxh3_64_intdigest(memoryview(padded)[HEADER_BYTES:length])
-        head = CHUNK_MAGIC + bytes(4) + digest.to_bytes(8, "little")
-    sink.write(bytes(len(padded) - length))
-    pa.FixedSizeBufferWriter(padded).write(head)
-    return padded.slice(0, length)
+    layout = _layout(values)
+    padded = pa.allocate_buffer(_align_up(layout.length))  # slices are read-only: write this
+    _write_chunk(values, layout, padded)
+    return padded.slice(0, layout.length)
+
+
+def column_chunk(values: pa.Array, *, owned: bool) -> Chunk:
+    """``values`` as a chunk to append: a :class:`ColumnChunk`, serialised when it is written,
+    where nothing can change the values meanwhile (``owned``: arrays only the store holds, or
+    made of :func:`read_only` ones); else serialised now (a caller's arrays may lie over memory
+    it changes later, a numpy array's)."""
+    return ColumnChunk(values) if owned else serialize_chunk_buffer(values)
+
+
+def read_only(values: pa.Array | pa.ChunkedArray) -> bool:
+    """Whether every buffer of ``values`` is a slice of a read-only buffer, as those read from an
+    Arrow IPC stream are (a Flight batch): no one can change them."""
+    chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
+    return all(buf is None or (buf.parent is not None and not buf.parent.is_mutable)
+               for chunk in chunks for buf in chunk.buffers())
+
+
+class ColumnChunk:
+    """A column to be stored as one chunk, serialised only when the blob store writes it: into
+    a buffer the store reuses from one write to the next (O_DIRECT), or, elsewhere, into memory
+    of its own (:func:`serialize_chunk_buffer`). The chunk is the same either way; its length
+    is known at once (keys are made before the write).
+
+    Why: serialising every put's chunks into new memory made the kernel fault in and zero that
+    memory first, which cost a 40 MiB put more than the copy itself; the values are kept in
+    memory for reads (see :meth:`BlobStore._keep_recent`) as they came, not as a copy."""
+
+    __slots__ = ("values", "layout")
+
+    def __init__(self, values: pa.Array) -> None:
+        self.values = values
+        self.layout = _layout(values)
+
+    def __len__(self) -> int:
+        return self.layout.length
+
+    def write_into(self, into: pa.Buffer) -> int:
+        """Serialise into ``into`` (mutable, at least :meth:`padded` bytes); return
+        :meth:`padded`."""
+        _write_chunk(self.values, self.layout, into)
+        return self.padded()
+
+    def padded(self) -> int:
+        return _align_up(self.layout.length)
+
+    def serialized(self) -> pa.Buffer:
+        """The chunk in memory of its own."""
+        padded = pa.allocate_buffer(self.padded())
+        _write_chunk(self.values, self.layout, padded)
+        return padded.slice(0, self.layout.length)
 
 
 def chunk_body(data: bytes) -> memoryview | None:
@@ -208,6 +287,7 @@ class BlobStore:
         self._start = 0                  # where the staged chunks go in the current segment
         self._end = 0                    # where the next staged chunk goes
         self._staging: mmap.mmap | None = None
+        self._slot_memory: tuple[pa.Buffer, memoryview] | None = None  # see _slot
         self._cache: OrderedDict[tuple[int, int, int], pa.Array] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._indexes: OrderedDict[tuple[int, int, int], blob_rows.ChunkIndex | None] = \
@@ -271,13 +351,16 @@ class BlobStore:
             # O_DIRECT writes start on a block boundary; what lies before it is padding (or,
             # after a crash, a torn tail) that no key points into.
             self._start = self._end = _align_up(self._size) if self._direct else self._size
+        if isinstance(chunk, ColumnChunk) and self._direct and len(chunk) < IN_PLACE_MIN_BYTES:
+            chunk = chunk.serialized()  # copied back to back, as other small chunks are
         whole = _in_place(chunk) if self._direct else None
-        if whole is not None:
-            # written from its own memory: on a block boundary, padded to the next one
+        aligned = self._direct and (whole is not None or isinstance(chunk, ColumnChunk))
+        if aligned:
+            # written from a page-aligned buffer: on a block boundary, padded to the next one
             self._end = _align_up(self._end)
         self._pending.append(_Staged(self._end, chunk, whole))
         key = f"{self._segment}:{self._end}:{len(chunk)}"
-        self._end += len(chunk) if whole is None else len(whole)
+        self._end += _align_up(len(chunk)) if aligned else len(chunk)
         return key
 
     @property
@@ -303,7 +386,7 @@ class BlobStore:
                 assert self._fs is not None
                 with self._fs.open_output_stream(path) as out:
                     for piece in pieces:       # back to back: only local stores pad
-                        out.write(piece.chunk)
+                        out.write(_in_memory(piece.chunk))
                 self._segment += 1
                 self._size = 0
         except OSError as e:
@@ -321,7 +404,12 @@ class BlobStore:
         if not self.recent_bytes:
             return
         held = []
+        for ck, values in _as_received(segment, pieces):
+            if len(values) and ck[2] <= self.recent_bytes:
+                held.append((ck, values, ck[2]))
         for piece in pieces:
+            if isinstance(piece.chunk, ColumnChunk):
+                continue
             chunk = piece.chunk if isinstance(piece.chunk, pa.Buffer) \
                 else pa.py_buffer(piece.chunk)
             if HEADER_BYTES < len(chunk) <= self.recent_bytes:
@@ -376,6 +464,14 @@ class BlobStore:
         with self._appending(path, _O_DIRECT) as fd:
             offset, fill = start, 0            # the staging buffer holds [offset, offset + fill)
             for piece in pieces:
+                if isinstance(piece.chunk, ColumnChunk):
+                    if fill:
+                        _write_staged(fd, staging, fill, offset)
+                        fill = 0
+                    into, view = self._slot(piece.chunk.padded())
+                    n = piece.chunk.write_into(into)
+                    offset = _pwrite_all(fd, view[:n], piece.offset)
+                    continue
                 if piece.whole is not None:
                     if fill:                   # the run before it ends where it starts
                         _write_staged(fd, staging, fill, offset)
@@ -402,6 +498,18 @@ class BlobStore:
         if self._local and self._size > 0 and not self._pending:
             self._segment += 1
             self._size = 0
+
+    def _slot(self, size: int) -> tuple[pa.Buffer, memoryview]:
+        """A page-aligned buffer of at least ``size`` bytes to serialise a ColumnChunk into
+        (as a mutable Arrow buffer, and a view of it): the one kept from write to write up to
+        :data:`SLOT_BYTES`, new memory beyond that."""
+        if size > SLOT_BYTES:
+            memory = mmap.mmap(-1, size)
+            return pa.py_buffer(memory), memoryview(memory)
+        if self._slot_memory is None:
+            memory = mmap.mmap(-1, SLOT_BYTES)
+            self._slot_memory = (pa.py_buffer(memory), memoryview(memory))
+        return self._slot_memory
 
     def rollback(self) -> None:
         """Forget staged chunks (their group commit failed before sync)."""
@@ -737,11 +845,45 @@ def _write_staged(fd: int, staging: mmap.mmap, fill: int, offset: int) -> int:
         return _pwrite_all(fd, out[:padded], offset)
 
 
+def _in_memory(chunk: Chunk) -> bytes | pa.Buffer:
+    """A chunk's bytes (a ColumnChunk serialised)."""
+    return chunk.serialized() if isinstance(chunk, ColumnChunk) else chunk
+
+
+def _as_received(segment: int, pieces: Sequence[_Staged]) \
+        -> list[tuple[tuple[int, int, int], pa.Array]]:
+    """The values of the ColumnChunks among ``pieces`` by chunk, to keep in memory for reads.
+
+    A column received in a Flight batch is a slice of the one buffer that holds the whole
+    batch: keeping it keeps that buffer. Kept as they came where the chunks are most of that
+    buffer (a put of by-reference columns); copied into memory of their own otherwise, so that
+    what the recent chunks hold stays about what they count."""
+    columns = [((segment, p.offset, len(p.chunk)), p.chunk.values) for p in pieces
+               if isinstance(p.chunk, ColumnChunk)]
+    counted: dict[int, int] = {}             # parent buffer: bytes of chunks over it
+    for (_, _, length), values in columns:
+        for address in _parents(values):
+            counted[address] = counted.get(address, 0) + length
+    out = []
+    for ck, values in columns:
+        parents = _parents(values)
+        if any(size > 2 * counted[address] for address, size in parents.items()):
+            values = pa.concat_arrays([values])
+        out.append((ck, values))
+    return out
+
+
+def _parents(values: pa.Array) -> dict[int, int]:
+    """The buffers ``values``' buffers (its children's too) are slices of (address: size)."""
+    return {buf.parent.address: buf.parent.size for buf in values.buffers()
+            if buf is not None and buf.parent is not None}
+
+
 def _pwrite_pieces(fd: int, pieces: Sequence[_Staged]) -> None:
     """Write each piece at its offset (padding included), a run of adjacent ones with pwritev,
     without joining them."""
-    views = [(p.offset, memoryview(p.whole if p.whole is not None else p.chunk).cast("B"))
-             for p in pieces if len(p.chunk)]
+    views = [(p.offset, memoryview(p.whole if p.whole is not None else _in_memory(p.chunk))
+              .cast("B")) for p in pieces if len(p.chunk)]
     i = 0
     while i < len(views):
         j = i + 1

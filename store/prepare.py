@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import tensors
-from .blobs import Chunk, serialize_chunk_buffer
+from .blobs import Chunk, column_chunk, read_only
 from .errors import InvalidArgument, SchemaMismatch
 from .schema import META_NAMES, WRITABLE_META, TableDef
 from .naming import MAX_SAMPLE_ID, SAMPLE_ID_PATTERN, sample_id_problem
@@ -220,7 +220,8 @@ def prepare_put(tdef: TableDef, data: Any, current_version: int,
         if col.name in names:
             values = _as_type(table, col.name, col.type, copy=col.ref is None)
             written = pc.is_valid(values)
-            inline, ref_index, chunk = _split(col.name, values, col.storage, ref_threshold)
+            inline, ref_index, chunk = _split(col.name, values, col.storage, ref_threshold,
+                                              read_only(table.column(col.name)))
             columns[col.name] = inline
             if col.ref:
                 columns[col.ref] = ref_index
@@ -311,7 +312,8 @@ def _prepare_small(tdef: TableDef, table: pa.Table, names: list[str], current_ve
             elif col.storage == "auto" and _at_most(values, ref_threshold):
                 inline, ref_index, chunk = _owned(values), pa.nulls(n, pa.int64()), None
             else:
-                inline, ref_index, chunk = _split(col.name, values, col.storage, ref_threshold)
+                inline, ref_index, chunk = _split(col.name, values, col.storage, ref_threshold,
+                                                  read_only(table.column(col.name)))
             columns[col.name] = inline
             if ref:
                 columns[ref] = ref_index
@@ -375,7 +377,9 @@ def _as_type(table: pa.Table, name: str, target: pa.DataType, *,
     buffer with every column in it, and a column kept without a copy (in the cache of claimable
     values) keeps all of it alive, large values included: without it, ingesting wide rows ran
     far slower while the server's memory grew by each batch. Values stored by reference are
-    copied once, into their chunk, not first into buffers of their own as well.
+    copied once, into their chunk when it is written (:class:`store.blobs.ColumnChunk`), not
+    into buffers of their own as well; the blob store decides whether to keep them as they
+    came.
     """
     col = table.column(name)
     if isinstance(col, pa.ChunkedArray):
@@ -408,13 +412,15 @@ def _converted(name: str, arr: pa.Array, target: pa.DataType) -> pa.Array:
     return arr
 
 
-def _split(name: str, values: pa.Array, storage: str,
-           threshold: int) -> tuple[pa.Array, pa.Array, Chunk | None]:
+def _split(name: str, values: pa.Array, storage: str, threshold: int,
+           sent_read_only: bool = False) -> tuple[pa.Array, pa.Array, Chunk | None]:
     """Split a column into inline values and by-reference rows (index into one chunk).
 
     The values of a column that can be stored by reference may point into the received batch
-    (``_as_type(copy=False)``): what is kept inline is a copy, and the chunk is serialised into
-    memory of its own. Those of a column stored only by value are already a copy."""
+    (``_as_type(copy=False)``): what is kept inline is a copy, and the chunk is serialised when
+    the blob store writes it where the column was sent in read-only buffers
+    (``sent_read_only``, see :func:`store.blobs.column_chunk`), else now. Those of a column
+    stored only by value are already a copy."""
     n = len(values)
     null_index = pa.nulls(n, pa.int64())
     if storage == "value" or not is_complex(values.type):
@@ -433,9 +439,9 @@ def _split(name: str, values: pa.Array, storage: str,
         # ``take`` (it copies every byte) and no if_else over them to null them inline.
         index = np.arange(n, dtype=np.int64)
         return (pa.nulls(n, values.type), pa.array(index, mask=index < 0),
-                serialize_chunk_buffer(values))
+                column_chunk(values, owned=sent_read_only))
     positions = np.nonzero(big_np)[0]
-    chunk = serialize_chunk_buffer(values.take(pa.array(positions, pa.int64())))
+    chunk = column_chunk(values.take(pa.array(positions, pa.int64())), owned=True)
     index = np.full(n, -1, np.int64)
     index[positions] = np.arange(count)
     ref_index = pa.array(index, mask=index < 0)
