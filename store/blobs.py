@@ -43,6 +43,7 @@ import uuid
 import weakref
 import zlib
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, NamedTuple, Sequence, Union
 
@@ -78,9 +79,13 @@ STAGING_BYTES = 16 << 20            # the page-aligned buffer O_DIRECT writes go
 # aligned offset with up to 4 KiB of zero padding after it. Why: copying a large chunk through
 # the staging buffer holds the GIL for the whole copy and made the write markedly longer.
 IN_PLACE_MIN_BYTES = 64 << 10
-# ColumnChunks up to this size are serialised, for an O_DIRECT write, into one buffer the store
-# keeps (its pages stay mapped from one write to the next); larger ones into new memory.
+# ColumnChunks up to this size are serialised, for an O_DIRECT write, into one of two buffers
+# the store keeps (their pages stay mapped from one write to the next); larger ones into new
+# memory.
 SLOT_BYTES = 16 << 20
+# Writes of serialised ColumnChunks, so that the next one is serialised meanwhile (a few
+# threads: several stores in one process write at once).
+_WRITES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="expstore-blob-write")
 _IOV_MAX = 1024                     # buffers per pwritev call (Linux's IOV_MAX)
 INDEX_CACHE = 4096                  # format-3 chunk indexes kept parsed (a few KB each)
 OPEN_SEGMENTS = 16                  # segment files kept open for reading
@@ -287,7 +292,7 @@ class BlobStore:
         self._start = 0                  # where the staged chunks go in the current segment
         self._end = 0                    # where the next staged chunk goes
         self._staging: mmap.mmap | None = None
-        self._slot_memory: tuple[pa.Buffer, memoryview] | None = None  # see _slot
+        self._slots: list[tuple[pa.Buffer, memoryview] | None] = [None, None]  # see _slot
         self._cache: OrderedDict[tuple[int, int, int], pa.Array] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._indexes: OrderedDict[tuple[int, int, int], blob_rows.ChunkIndex | None] = \
@@ -463,14 +468,30 @@ class BlobStore:
         cap = len(staging)
         with self._appending(path, _O_DIRECT) as fd:
             offset, fill = start, 0            # the staging buffer holds [offset, offset + fill)
+            # A ColumnChunk is serialised into one of two slots while the one before it is
+            # written from the other (on a write thread): ``writing`` is that write.
+            writing: Future | None = None
+            slot = 0
+            try:
+                for piece in pieces:
+                    if not isinstance(piece.chunk, ColumnChunk):
+                        continue
+                    into, view = self._slot(slot, piece.chunk.padded())
+                    n = piece.chunk.write_into(into)
+                    if writing is not None:
+                        done, writing = writing, None
+                        done.result()
+                    writing = _WRITES.submit(_pwrite_all, fd, view[:n], piece.offset)
+                    slot ^= 1
+            finally:
+                if writing is not None:
+                    writing.result()
             for piece in pieces:
                 if isinstance(piece.chunk, ColumnChunk):
-                    if fill:
+                    if fill:                   # the run before it ends where it starts
                         _write_staged(fd, staging, fill, offset)
                         fill = 0
-                    into, view = self._slot(piece.chunk.padded())
-                    n = piece.chunk.write_into(into)
-                    offset = _pwrite_all(fd, view[:n], piece.offset)
+                    offset = piece.offset + piece.chunk.padded()
                     continue
                 if piece.whole is not None:
                     if fill:                   # the run before it ends where it starts
@@ -499,17 +520,17 @@ class BlobStore:
             self._segment += 1
             self._size = 0
 
-    def _slot(self, size: int) -> tuple[pa.Buffer, memoryview]:
+    def _slot(self, slot: int, size: int) -> tuple[pa.Buffer, memoryview]:
         """A page-aligned buffer of at least ``size`` bytes to serialise a ColumnChunk into
-        (as a mutable Arrow buffer, and a view of it): the one kept from write to write up to
-        :data:`SLOT_BYTES`, new memory beyond that."""
+        (as a mutable Arrow buffer, and a view of it): slot 0 or 1, kept from write to write,
+        up to :data:`SLOT_BYTES`; new memory beyond that."""
         if size > SLOT_BYTES:
             memory = mmap.mmap(-1, size)
             return pa.py_buffer(memory), memoryview(memory)
-        if self._slot_memory is None:
+        if self._slots[slot] is None:
             memory = mmap.mmap(-1, SLOT_BYTES)
-            self._slot_memory = (pa.py_buffer(memory), memoryview(memory))
-        return self._slot_memory
+            self._slots[slot] = (pa.py_buffer(memory), memoryview(memory))
+        return self._slots[slot]  # type: ignore[return-value]
 
     def rollback(self) -> None:
         """Forget staged chunks (their group commit failed before sync)."""
