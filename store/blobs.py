@@ -24,8 +24,11 @@ segment object, since object stores cannot append.
 Local segments are written with ``O_DIRECT`` where the filesystem accepts it (page-cache
 writeback, not the device, limits buffered ``write`` + ``fsync``): each group commit then starts
 at a 4 KiB-aligned offset and its tail is padded with zeros to a 4 KiB boundary. Large chunks
-(:data:`IN_PLACE_MIN_BYTES` and up) are serialised into page-aligned memory with zeroed padding
-and written from there, each at a 4 KiB-aligned offset of its own; smaller ones are copied back
+(:data:`IN_PLACE_MIN_BYTES` and up) are written from page-aligned memory with zeroed padding,
+each at a 4 KiB-aligned offset of its own: a :class:`ColumnChunk` (a column that arrived in
+read-only buffers) is serialised only then, into one of two buffers kept for that, while the one
+before it is written from the other; a chunk serialised by the caller
+(:func:`serialize_chunk_buffer`) is written from its own memory. Smaller ones are copied back
 to back through a page-aligned staging buffer. Keys carry offsets, so readers never see the
 padding (nothing reads a segment sequentially); segments written before, or by the buffered
 fallback (filesystems that refuse ``O_DIRECT``, such as tmpfs on older kernels, or
@@ -43,7 +46,7 @@ import uuid
 import weakref
 import zlib
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, NamedTuple, Sequence, Union
 
@@ -409,9 +412,9 @@ class BlobStore:
         if not self.recent_bytes:
             return
         held = []
-        for ck, values in _as_received(segment, pieces):
-            if len(values) and ck[2] <= self.recent_bytes:
-                held.append((ck, values, ck[2]))
+        for ck, values, size in _as_received(segment, pieces):
+            if len(values) and size <= self.recent_bytes:
+                held.append((ck, values, size))
         for piece in pieces:
             if isinstance(piece.chunk, ColumnChunk):
                 continue
@@ -458,9 +461,11 @@ class BlobStore:
             os.close(fd)
 
     def _write_direct(self, path: str, pieces: list[_Staged], start: int, total: int) -> int:
-        """O_DIRECT: large chunks straight from their own page-aligned, padded memory; the
-        others copied through a page-aligned buffer into block-aligned writes, each run's last
-        write padded with zeros; fsync (file size, device cache) as in the buffered path."""
+        """O_DIRECT: ColumnChunks serialised into two slots in turn, each written (on a write
+        thread) while the next is serialised; other large chunks straight from their own
+        page-aligned, padded memory; the others copied through a page-aligned buffer into
+        block-aligned writes, each run's last write padded with zeros; fsync (file size, device
+        cache) as in the buffered path."""
         assert _O_DIRECT is not None and start % ALIGN == 0
         if self._staging is None:
             self._staging = mmap.mmap(-1, _align_up(max(STAGING_BYTES, ALIGN)))
@@ -483,9 +488,12 @@ class BlobStore:
                         done.result()
                     writing = _WRITES.submit(_pwrite_all, fd, view[:n], piece.offset)
                     slot ^= 1
-            finally:
                 if writing is not None:
-                    writing.result()
+                    done, writing = writing, None
+                    done.result()
+            finally:
+                if writing is not None:    # failed meanwhile: the write ends before the file
+                    wait_futures([writing])  # is cut back and closed
             for piece in pieces:
                 if isinstance(piece.chunk, ColumnChunk):
                     if fill:                   # the run before it ends where it starts
@@ -872,13 +880,14 @@ def _in_memory(chunk: Chunk) -> bytes | pa.Buffer:
 
 
 def _as_received(segment: int, pieces: Sequence[_Staged]) \
-        -> list[tuple[tuple[int, int, int], pa.Array]]:
-    """The values of the ColumnChunks among ``pieces`` by chunk, to keep in memory for reads.
+        -> list[tuple[tuple[int, int, int], pa.Array, int]]:
+    """The values of the ColumnChunks among ``pieces`` by chunk, to keep in memory for reads,
+    and the bytes each holds.
 
     A column received in a Flight batch is a slice of the one buffer that holds the whole
     batch: keeping it keeps that buffer. Kept as they came where the chunks are most of that
-    buffer (a put of by-reference columns); copied into memory of their own otherwise, so that
-    what the recent chunks hold stays about what they count."""
+    buffer (a put of by-reference columns), each counted for its share of it; copied into
+    memory of their own otherwise (counted for their chunk's length)."""
     columns = [((segment, p.offset, len(p.chunk)), p.chunk.values) for p in pieces
                if isinstance(p.chunk, ColumnChunk)]
     counted: dict[int, int] = {}             # parent buffer: bytes of chunks over it
@@ -888,9 +897,12 @@ def _as_received(segment: int, pieces: Sequence[_Staged]) \
     out = []
     for ck, values in columns:
         parents = _parents(values)
+        length = ck[2]
         if any(size > 2 * counted[address] for address, size in parents.items()):
-            values = pa.concat_arrays([values])
-        out.append((ck, values))
+            out.append((ck, pa.concat_arrays([values]), length))
+        else:
+            out.append((ck, values, max(length, sum(size * length // counted[address]
+                                                    for address, size in parents.items()))))
     return out
 
 

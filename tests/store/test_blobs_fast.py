@@ -218,6 +218,134 @@ def test_a_failed_write_is_cut_off_and_nothing_staged_is_kept(tmp_path, monkeypa
     _check(b, keys + keys2, first + again)
 
 
+def _received(*arrays: pa.Array) -> list[pa.Array]:
+    """``arrays`` as a Flight batch's columns arrive: read back from one IPC stream, slices of
+    its one read-only buffer."""
+    batch = pa.record_batch(list(arrays), names=[f"c{i}" for i in range(len(arrays))])
+    read = pa.ipc.open_stream(pa.py_buffer(_ipc_stream_of(batch))).read_next_batch()
+    return list(read.columns)
+
+
+def _ipc_stream_of(batch: pa.RecordBatch) -> bytes:
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    return sink.getvalue()
+
+
+def test_read_only_tells_received_columns_from_a_callers_arrays():
+    import numpy as np
+    received = _received(_values(10, 100, "r"), pa.array(np.arange(10.0)))
+    assert all(blobs.read_only(c) for c in received)
+    assert blobs.read_only(pa.chunked_array(received[:1]))
+    assert not blobs.read_only(pa.array(np.arange(10.0)))         # over numpy's memory
+    assert not blobs.read_only(_values(10, 100, "mine"))
+    assert isinstance(blobs.column_chunk(received[0], owned=True), blobs.ColumnChunk)
+    assert isinstance(blobs.column_chunk(received[0], owned=False), pa.Buffer)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_column_chunks_write_the_bytes_serialize_chunk_buffer_makes(tmp_path, monkeypatch,
+                                                                     direct):
+    """ColumnChunks (serialised when written: into two reused slots by O_DIRECT, one written
+    while the next is serialised; into memory of their own beyond the slots' size, or when
+    written buffered) among chunks given as bytes and buffers, in one group commit: on disk
+    exactly what serialize_chunk_buffer makes, read back from memory and after reopening."""
+    monkeypatch.setattr(blobs, "SLOT_BYTES", 256 << 10)
+    b = _open(str(tmp_path / "blobs"), direct, monkeypatch)
+    arrays = [_received(a)[0] for a in (_values(60, 2900, "big0"), _values(60, 2900, "big1"),
+                                        _values(3, 500, "small"),
+                                        _values(120, 2900, "over-slot"),
+                                        _values(60, 2900, "big2"))]
+    given = [_values(40, 2900, "buffer"), _values(2, 300, "bytes")]
+    chunks = [blobs.ColumnChunk(a) for a in arrays]
+    keys = [b.append(c) for c in chunks[:2]] + [b.append(serialize_chunk_buffer(given[0]))] + \
+        [b.append(c) for c in chunks[2:4]] + [b.append(serialize_chunk_buffer(given[1])
+                                                       .to_pybytes())] + [b.append(chunks[4])]
+    order = arrays[:2] + given[:1] + arrays[2:4] + given[1:] + arrays[4:]
+    assert sum(isinstance(p.chunk, blobs.ColumnChunk) for p in b._pending) == (4 if direct else 5)
+    b.sync()
+    with open(b._path(b._segment), "rb") as f:
+        for key, values in zip(keys, order):
+            _, offset, length = map(int, key.split(":"))
+            assert os.pread(f.fileno(), length, offset) == \
+                serialize_chunk_buffer(values).to_pybytes(), key
+            if direct and length >= blobs.IN_PLACE_MIN_BYTES:
+                assert offset % ALIGN == 0
+    _check(b, keys, order)
+    _check(BlobStore(str(tmp_path / "blobs")), keys, order)
+    more = _received(_values(60, 2900, "next"))          # the slots are reused
+    key = b.append(blobs.ColumnChunk(more[0]))
+    b.sync()
+    _check(b, [key], more)
+    _check(BlobStore(str(tmp_path / "blobs")), keys + [key], order + more)
+
+
+def test_a_failed_column_chunk_write_is_cut_off(tmp_path, monkeypatch):
+    b = _open(str(tmp_path / "blobs"), True, monkeypatch)
+    first = _received(_values(100, 7000, "ok"))
+    key = b.append(blobs.ColumnChunk(first[0]))
+    b.sync()
+    path = b._path(b._segment)
+    size = os.path.getsize(path)
+    writes = []
+    real = blobs._pwrite_all
+
+    def second_fails(fd, view, offset):
+        writes.append(offset)
+        if len(writes) == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(blobs, "_pwrite_all", second_fails)
+    for values in _received(*[_values(100, 7000, f"lost{j}") for j in range(4)]):
+        b.append(blobs.ColumnChunk(values))
+    with pytest.raises(StorageError, match="cannot write blob segment"):
+        b.sync()
+    assert os.path.getsize(path) == size and not b._pending
+    monkeypatch.undo()
+    again = _received(_values(100, 7000, "again"))
+    key2 = b.append(blobs.ColumnChunk(again[0]))
+    b.sync()
+    _check(b, [key, key2], first + again)
+    _check(BlobStore(str(tmp_path / "blobs")), [key, key2], first + again)
+
+
+def test_received_values_are_kept_as_they_came_only_where_they_are_most_of_the_batch(tmp_path):
+    """A column kept in memory as received keeps the whole batch's buffer: so it is, where the
+    chunks of that batch are most of it; otherwise the values kept are a copy."""
+    b = BlobStore(str(tmp_path / "blobs"))
+    wide = _received(_values(50, 3000, "a"), _values(50, 3000, "b"), pa.array(range(50)))
+    narrow = _received(_values(50, 3000, "c"), pa.array(["x" * 20000] * 50))
+    keys = [b.append(blobs.ColumnChunk(c)) for c in (wide[0], wide[1], narrow[0])]
+    b.sync()
+
+    def held(key):
+        return b._recent[tuple(map(int, key.split(":")))][0]
+
+    body = {buf.parent.address for buf in wide[0].buffers() if buf is not None}
+    assert {buf.parent.address for buf in held(keys[0]).buffers() if buf is not None} == body
+    assert all(buf.parent is None or buf.parent.address not in {
+        p.parent.address for p in narrow[0].buffers() if p is not None}
+        for buf in held(keys[2]).buffers() if buf is not None)
+    _check(b, keys, [wide[0], wide[1], narrow[0]])
+
+
+def test_a_callers_arrays_changed_after_the_put_do_not_change_what_was_stored(tmp_path):
+    """An embedded put of arrays over the caller's numpy memory serialises them at once: the
+    caller may reuse that memory as soon as the put returns."""
+    import numpy as np
+    floats = np.arange(40 * 1024, dtype=np.float32)
+    offsets = pa.array(np.arange(0, 41 * 1024, 1024, dtype=np.int32))
+    values = pa.ListArray.from_arrays(offsets, pa.array(floats))       # zero-copy over floats
+    with store.connect(str(tmp_path / "x.duckdb")) as s:
+        s.create_table("t", {"v": "list<float32>"}, storage={"v": "ref"})
+        s.put("t", pa.table({"sample_id": [f"a_0_{i}" for i in range(40)], "v": values}))
+        floats[:] = -1.0
+        got = s.query("SELECT v FROM t ORDER BY trajectory_id").column("v").to_pylist()
+    assert got == [list(np.arange(i * 1024, (i + 1) * 1024, dtype=np.float32)) for i in range(40)]
+
+
 def test_o_direct_refused_at_write_falls_back_and_remembers(tmp_path, monkeypatch):
     b = _open(str(tmp_path / "blobs"), True, monkeypatch)
     calls = []
