@@ -258,10 +258,6 @@ class RemoteStore:
         comes once the ack is durable, and the claim's work overlapped the ack's commit (see
         ``EmbeddedStore.ack_and_claim``)."""
         request = ClaimRequest(table, limit, where, group_by, group_size, min_rows)
-        if ack is not None and type(self).claim_many is not RemoteStore.claim_many:
-            # a client that completes claims in claim_many (the cluster's resolves values)
-            self.ack(ack)
-            ack = None
         if self._streams_claims(table, limit):
             claim = self._claim_streamed(request, consumer, lease_seconds, ack)
         elif ack is not None:

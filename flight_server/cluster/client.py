@@ -259,12 +259,33 @@ class ClusterStore(RemoteStore):
     def _streams_claims(self, table: str, limit: int) -> bool:
         return False  # a coordinator answers claims on the action (with its data nodes)
 
+    def claim(self, table: str, limit: int, *, where: str | None = None,
+              group_by: str | None = None, group_size: int | None = None,
+              consumer: str | None = None, lease_seconds: float | None = None,
+              min_rows: int = 1, ack: str | None = None) -> Claim:
+        """See :meth:`RemoteStore.claim`; with ``ack``, the coordinator acks that claim and
+        claims in one request (the ``claim`` action's ``ack``), answering once the ack is
+        durable: a trainer's micro-batch costs the coordinator one request, not two."""
+        request = ClaimRequest(table, limit, where, group_by, group_size, min_rows)
+        if ack is None:
+            return self.claim_many([request], consumer=consumer, lease_seconds=lease_seconds)
+        return self._claimed("claim", wire.claim_body(request, consumer, lease_seconds, ack),
+                             [request])
+
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:
-        body = wire.claim_many_body(requests, consumer, lease_seconds)
+        return self._claimed("claim_many",
+                             wire.claim_many_body(requests, consumer, lease_seconds), requests)
+
+    def _claimed(self, action: str, body: dict[str, Any],
+                 requests: list[ClaimRequest]) -> Claim:
+        """A claim (``action`` with ``body``) with its values fetched from the data nodes; given
+        back and made again while values are found on unreachable nodes."""
         for _ in range(LOST_RETRIES):
             # on the session where there is one (the endpoints come from the directory)
-            claim = wire.claim_of_results(self._fast("claim_many", body).result(self._timeout))
+            claim = wire.claim_of_results(self._fast(action, body).result(self._timeout))
+            # a carried ack is durable once answered: a claim made again carries none
+            body.pop("ack", None)
             if not claim.claim_id:
                 return self._empty_claim(claim, requests)
             try:

@@ -21,7 +21,7 @@ from flight_server.cluster.coordinator import CoordinatorServer
 from flight_server.cluster.datanode import DataNodeServer
 from flight_server.cluster.locations import parse_key, row_keys
 from flight_server.cluster.security import NO_SECURITY, ClusterSecurity
-from store.errors import InvalidArgument, PermissionDenied
+from store.errors import InvalidArgument, NotFound, PermissionDenied
 
 from flight_fixtures import (TOKENS, WRONG_TOKEN, action_json, bearer, error_code,
                              self_signed_cert, write_tokens)
@@ -144,6 +144,40 @@ def test_a_coordinator_refuses_claim_tickets_and_its_client_claims_on_the_action
         claim = p0.claim("t", 2)
         assert sorted(claim.data.column("tokens").to_pylist()) == [[0, 1, 2], [1, 2, 3]]
         assert p0.ack(claim.claim_id)["acked"] == 2
+
+
+def requests_seen(c: Cluster, verb: str) -> int:
+    """How many ``verb`` requests the coordinator answered (its request metrics)."""
+    return int(c.coordinator.metrics.registry.get_sample_value(
+        "expstore_request_seconds_count", {"verb": verb}) or 0)
+
+
+def test_a_claim_carries_the_ack_of_the_one_before_to_the_coordinator(cluster):
+    """``claim(…, ack=previous)``: one request per micro-batch; the ack is durable, and the
+    new claim's values fetched, when it returns."""
+    with client(cluster, 0) as producer, client(cluster, 1) as trainer:
+        make_table(producer)
+        producer.put("t", rows("a", 8))
+        first = trainer.claim("t", 4)
+        acks = requests_seen(cluster, "ack")
+        second = trainer.claim("t", 4, ack=first.claim_id)
+        assert requests_seen(cluster, "ack") == acks    # no ack request of its own
+        got = second.tables["t"]
+        assert sorted(got.column("response").to_pylist()) == sorted(
+            r for r in rows("a", 8)["response"]
+            if r.split(":")[0] not in {s.split(":")[0] for s in
+                                       first.tables["t"].column("response").to_pylist()})
+        assert trainer.ack(first.claim_id).get("duplicate") is True
+        stats = trainer.stats("t")["t"]
+        assert (stats["consumed"], stats["processing"]) == (4, 4)
+        # the last micro-batch's ack rides on a claim that finds nothing
+        assert not trainer.claim("t", 4, ack=second.claim_id).claim_id
+        stats = trainer.stats("t")["t"]
+        assert (stats["consumed"], stats["processing"], stats["ready"]) == (8, 0, 0)
+        producer.put("t", rows("b", 4))
+        with pytest.raises(NotFound, match="nope"):      # a refused ack leases nothing
+            trainer.claim("t", 4, ack="nope")
+        assert trainer.stats("t")["t"]["processing"] == 0
 
 
 def test_a_local_node_serves_its_machines_trainer_and_fetches_run_in_parallel(cluster):
