@@ -3,7 +3,7 @@
 A claim runs on the caller's thread: a predicate, if any, is evaluated in DuckDB over the first
 ready rows only (:meth:`ClaimEngine._accepted`, holding a query slot); under the index's lock
 the live tables pick the rows (``LiveTable.select``) and the index leases them (their lease
-bookkeeping waits for the writer's next group: leases are soft state); then the rows' values are
+bookkeeping waits for the writer: leases are soft state); then the rows' values are
 cut from the claim cache, or read from DuckDB for rows it does not hold (read ahead for the next
 claims), and by-reference values are read from the blob store.
 """

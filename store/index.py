@@ -6,8 +6,8 @@ not yet written to DuckDB, the recently ended claims (so that a late ack or nack
 precisely), the claim cache and the monitoring counters.
 
 Who changes it: the writer, after a commit (``apply`` effects run under :attr:`StoreIndex.lock`),
-and the claim path, which leases rows at once and leaves their bookkeeping here for the writer's
-next group (see :meth:`StoreIndex.take_row_updates`). The facade (store/embedded.py) builds one
+and the claim path, which leases rows at once and leaves their bookkeeping here for the writer
+(see :meth:`StoreIndex.take_row_updates`) to write once due (an ack sooner supersedes it). The facade (store/embedded.py) builds one
 index and passes it to the writer and the reads; neither holds the facade.
 
 Methods marked "lock held" expect the caller to hold :attr:`StoreIndex.lock` (an ``RLock``).
@@ -170,7 +170,7 @@ class StoreIndex:
     # -- leases ------------------------------------------------------------------------------
     def lease(self, owner: str, seconds: float, picks: list[tuple[LiveTable, list[Row]]]) -> Lease:
         """Lease the picked rows under a new claim id (lock held); their bookkeeping waits here
-        for the writer's next group."""
+        for the writer."""
         lease = Lease(uuid.uuid4().hex, owner, time.time() + seconds, [])
         expires = dt.datetime.fromtimestamp(lease.expires_at, dt.timezone.utc)
         for live, rows in picks:
@@ -313,7 +313,7 @@ class StoreIndex:
             return any(self._row_updates.values())
 
     def take_row_updates(self) -> dict[str, list[LeaseUpdate]]:
-        """Take the bookkeeping waiting to be written, by table (the writer's next group)."""
+        """Take the bookkeeping waiting to be written, by table (the writer, once due)."""
         with self.lock:
             updates = {t: list(rows.values()) for t, rows in self._row_updates.items() if rows}
             self._row_updates = {}

@@ -43,8 +43,9 @@ class StoreSettings:
         checkpoint_idle_seconds: the writer checkpoints once no write came for this long.
         wal_checkpoint_bytes: the writer checkpoints between two groups once DuckDB's WAL holds
             this much (DuckDB's own threshold is set above it, store/opening.py).
-        lease_flush_delay: claims' lease bookkeeping is soft state, written at most this often
-            on its own (it rides along whenever another change commits sooner).
+        lease_flush_delay: claims' lease bookkeeping is soft state, written at most this long
+            after a claim, with the group that commits then or on its own; an ack sooner
+            supersedes it, and it is never written (groups before then leave it waiting).
         point_lookup_keys: up to this many keys are looked up one by one; more are joined
             against the table.
         values_insert_rows / values_update_rows: up to this many rows are written with one

@@ -250,14 +250,19 @@ class Writer:
                     self._stop_faulted()
                     return
                 continue
-            self._flush_due = None  # this group writes any pending lease bookkeeping too
-            if ops or self._index.has_pending_row_updates():
+            # Lease bookkeeping rides along with the group once its flush is due (or nothing
+            # asked for one: expiries), not sooner: most claims are acked before then, and an
+            # ack supersedes their bookkeeping, which is then never written at all.
+            leases = self._flush_due is None or time.monotonic() >= self._flush_due
+            if leases:
+                self._flush_due = None
+            if ops or (leases and self._index.has_pending_row_updates()):
                 for part in _reads_apart(ops):
                     if isinstance(part, ReadOp):
                         self._read(part)
                         continue
                     for group in _bumps_apart(part):
-                        self._run_group(group)
+                        self._run_group(group, leases)
             if self._materialize_due() or (stop and self._logged):
                 self._materialize()
             self._checkpoint_if_wal_full()
@@ -386,12 +391,13 @@ class Writer:
         if error is not None:  # it invalidated the database (a full disk: see storage_fault.py)
             self._enter_fault(error, invalid=True)
 
-    def _run_group(self, ops: list[Op]) -> None:
+    def _run_group(self, ops: list[Op], leases: bool = True) -> None:
+        """Commit a group of operations; with ``leases``, the pending lease bookkeeping too."""
         given = len(ops)
         ops = self._prepare_small(ops)
-        if given and not ops and not self._index.has_pending_row_updates():
+        if given and not ops and not (leases and self._index.has_pending_row_updates()):
             return  # every put of the group was refused: nothing to commit
-        logged = self._log_puts(ops)
+        logged = self._log_puts(ops, leases)
         if logged is not None:
             for op, result in zip(ops, logged):
                 resolve(op, result)
@@ -401,7 +407,7 @@ class Writer:
             # log back must not leave rows of a dropped table to replay into a new one.
             self._materialize()
         try:
-            results, txn = self._transaction(ops)
+            results, txn = self._transaction(ops, leases)
         except Exception as group_error:  # noqa: BLE001 - isolate the culprit below
             if self._fault is not None:  # DuckDB cannot be written: every op is refused
                 for op in ops:
@@ -415,7 +421,7 @@ class Writer:
                 return
             for op in self._apart(ops):
                 try:
-                    (result,), txn = self._transaction([op])
+                    (result,), txn = self._transaction([op], leases)
                 except Exception as e:  # noqa: BLE001
                     fail(op, e)
                 else:
@@ -501,7 +507,7 @@ class Writer:
                     if row.payload is None:
                         row.payload = loaded.get(row.row_id)
 
-    def _transaction(self, ops: list[Op]) -> tuple[list[Any], Txn]:
+    def _transaction(self, ops: list[Op], leases: bool = True) -> tuple[list[Any], Txn]:
         index = self._index
         con = self._con
         txn = Txn()
@@ -524,7 +530,8 @@ class Writer:
             in_ops = True
             blob_write = self._start_blob_write(txn, ops)
             self._run_ops(txn, ops, results)
-            write_lease_updates(self._con, self._index, txn)
+            if leases:
+                write_lease_updates(self._con, self._index, txn)
             if blob_write is None:
                 self._blobs.sync()
             else:
@@ -600,7 +607,7 @@ class Writer:
             self._rows.write_puts(self._con, txn, puts, results)
 
     # -- the put log ---------------------------------------------------------------------------
-    def _log_puts(self, ops: list[Op]) -> list[Any] | None:
+    def _log_puts(self, ops: list[Op], leases: bool = True) -> list[Any] | None:
         """Make a group durable in the put log instead of DuckDB; its results, or None when
         the group must go through DuckDB.
 
@@ -631,7 +638,7 @@ class Writer:
         except Exception:  # noqa: BLE001 - NotLoggable, or an error the DuckDB path reports
             self._blobs.rollback()
             return None
-        updates = log_lease_updates(self._index, txn)
+        updates = log_lease_updates(self._index, txn) if leases else {}
         if not self._logged.append(txn, updates, self._blob_io):
             return None
         self.commits += 1  # a group commit, to the log

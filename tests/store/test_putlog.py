@@ -372,15 +372,15 @@ def test_replaying_acks_and_bumps_twice_changes_nothing(db_path, slow_inserts):
 def test_logged_changes_of_one_row_apply_in_log_order(db_path, slow_inserts):
     """Records are applied one statement per kind and table: the last lease of a row wins, and
     acks interleaved with puts land on the rows the puts inserted."""
-    s = slow_inserts()
+    s = slow_inserts(lease_flush_delay=0.0)  # every lease's bookkeeping is logged at once
     s.create_table("t", COLUMNS, lease_seconds=60.0)
     s.put("t", [_row(0)])
     first = s.claim("t", 1, lease_seconds=0.2)
-    s.put("t", [_row(1)])  # carries the first lease's bookkeeping
+    s.put("t", [_row(1)])
     wait_until(lambda: not s.leases("t"), timeout=10)  # expired: q0 is ready again
     second = s.claim("t", 2)
     assert second.data.column("sample_id").to_pylist() == ["q0_0_0", "q1_0_0"]
-    s.put("t", [_row(2)])  # carries the second lease's bookkeeping
+    s.put("t", [_row(2)])
     for i in range(3, 9):  # puts and acks alternating
         s.put("t", [_row(i)])
         s.ack(s.claim("t", 1).claim_id)
@@ -397,6 +397,27 @@ def test_logged_changes_of_one_row_apply_in_log_order(db_path, slow_inserts):
          "consumed": False}]  # the claims in the loop took q2..q7 in order
     assert first.claim_id != second.claim_id
     assert s.query("SELECT count(*) AS n FROM t WHERE consumed").column(0).to_pylist() == [6]
+
+
+def test_a_claim_acked_before_its_bookkeeping_is_due_never_writes_it(db_path, slow_inserts):
+    """Groups that commit before a claim's lease bookkeeping is due leave it waiting; the ack
+    supersedes it, so a claim acked in time costs the log one ack record and no lease record."""
+    s = slow_inserts(lease_flush_delay=60.0)
+    s.create_table("t", COLUMNS)
+    for i in range(3):
+        s.put("t", [_row(i)])
+    acked = s.claim("t", 1)
+    s.put("t", [_row(3)])                  # commits before the bookkeeping is due
+    s.ack(acked.claim_id)
+    held = s.claim("t", 1)
+    s.put("t", [_row(4)])
+    kinds = [k for k, _, _ in _logged_records(db_path)]
+    assert kinds.count("leases") == 0 and kinds.count("ack") == 1 and kinds.count("rows") == 5
+    assert s.query("SELECT sample_id, lease_id, delivery_count, consumed FROM t WHERE "
+                   "delivery_count > 0").to_pylist() == [
+        {"sample_id": "q0_0_0", "lease_id": acked.claim_id, "delivery_count": 1,
+         "consumed": True}]
+    assert [r["claim_id"] for r in s.leases("t")] == [held.claim_id]
 
 
 def test_a_replayed_old_bump_never_takes_the_version_back(db_path, slow_inserts):
