@@ -57,6 +57,7 @@ import pyarrow.fs as pafs
 import xxhash
 
 from . import blob_rows
+from .row_cut import MAX_RUNS, RowCut, cut  # noqa: F401 - MAX_RUNS: cut's bound, named here too
 from .errors import StorageError
 from .settings import StoreSettings
 from .types import one_array
@@ -586,9 +587,9 @@ class BlobStore:
             return self._chunk(segment, offset, length)
         return self._read_rows(ck, index, list(range(index.rows)))
 
-    def put_rows(self, source: pa.Table, key_at: int, indices: list[int],
+    def put_rows(self, source: pa.Table, key_at: int, rows: RowCut,
                  value_type: pa.DataType) -> pa.Array | None:
-        """Rows ``indices`` of the values column ``key_at`` of ``source`` refers to, cut
+        """Rows ``rows`` of the values column ``key_at`` of ``source`` refers to, cut
         straight from a chunk kept in memory (see :meth:`_keep_recent`); None where that is not
         so (then :meth:`resolve` the keys).
 
@@ -610,8 +611,8 @@ class BlobStore:
             held = self._recent.get(ck)
         if held is None:
             return None
-        rows = cut(held[0], indices)
-        return rows if rows.type == value_type else rows.cast(value_type)
+        got = rows.array(held[0])
+        return got if got.type == value_type else got.cast(value_type)
 
     def resolve(self, keys: Sequence[str | None], value_type: pa.DataType) -> pa.Array:
         """The values for ``keys`` (None stays null), in order.
@@ -942,40 +943,6 @@ def _pwritev_run(fd: int, views: list[memoryview], offset: int) -> None:
             else:
                 views[i] = views[i][n:]
                 n = 0
-
-
-#: Rows in at most this many runs of consecutive rows are cut as slices joined by one copy;
-#: more take a ``take``.
-MAX_RUNS = 8
-
-
-def cut(values: pa.Array | pa.ChunkedArray, rows: list[int]) -> pa.Array:
-    """Rows ``rows`` of ``values``, in that order, as one array: a zero-copy slice when they are
-    consecutive, slices joined by one copy when they form a few runs (claims take rows in
-    sample-id order, which runs through a put in a few stretches), else a ``take``.
-
-    Why not always a take: Arrow's take of list and string values is several times slower than
-    copying the same bytes a run at a time (16 rows of 10 list columns in two runs: ~0.84 ms
-    against ~0.2 ms)."""
-    first, n = rows[0], len(rows)
-    if rows[-1] - first == n - 1 and rows == list(range(first, first + n)):
-        part = values.slice(first, n)
-        return part if isinstance(part, pa.Array) else one_array(part)
-    runs: list[tuple[int, int]] = []
-    start = previous = first
-    for row in rows[1:]:
-        if row != previous + 1:
-            runs.append((start, previous - start + 1))
-            if len(runs) >= MAX_RUNS:
-                return one_array(values.take(pa.array(rows, pa.int64())))
-            start = row
-        previous = row
-    runs.append((start, previous - start + 1))
-    pieces: list[pa.Array] = []
-    for at, length in runs:
-        part = values.slice(at, length)
-        pieces.extend([part] if isinstance(part, pa.Array) else part.chunks)
-    return pa.concat_arrays(pieces)
 
 
 def whole_chunk(keys: pa.ChunkedArray) -> tuple[int, int, int] | None:

@@ -16,13 +16,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .blobs import BlobStore, cut
+from .blobs import BlobStore
 from .claims import Claim, ClaimRequest, check_consumer, check_lease_seconds
 from .errors import InvalidArgument, QueryBusy, QueryRefused, QueryTimeout, StorageError
 from .index import StoreIndex
 from .live import LOADING, Lease, LiveTable, Row
 from .naming import quote
 from .readers import Readers
+from .row_cut import RowCut
 from .settings import StoreSettings
 from .sqlguard import predicate_query
 from .types import one_array
@@ -156,51 +157,53 @@ class ClaimEngine:
             loaded = self._read_values(live, [rows[i] for i in missing])
             for i in missing:
                 payloads[i] = loaded.get(rows[i].row_id)
-        # the claim's rows by the cached table (the put) they come from
-        sources: dict[int, tuple[pa.Table, list[int], list[int]]] = {}
-        for position, (r, payload) in enumerate(zip(rows, payloads)):
-            if payload is None:
-                raise StorageError(f"row {r.sample_id!r} (version {r.version}) of "
-                                   f"{tdef.name!r} vanished while being claimed")
-            table, index = payload
-            entry = sources.setdefault(id(table), (table, [], []))
-            entry[1].append(index)
-            entry[2].append(position)
-        if len(sources) == 1:
-            table, indices, _ = next(iter(sources.values()))
-            columns = self._one_put_columns(live, table, indices)
+        first = payloads[0]
+        if first is not None and all(p is not None and p[0] is first[0] for p in payloads):
+            # every row from one cached put (the usual case)
+            columns = self._one_put_columns(live, first[0],
+                                            RowCut([p[1] for p in payloads]))  # type: ignore[index]
         else:
-            columns = self._columns(live, sources)
+            columns = self._columns(live, self._sources(live, rows, payloads))
         deliveries = [r.deliveries for r in rows]
         delivery_count = (_first_deliveries(len(rows)) if deliveries.count(1) == len(rows)
                           else pa.array(deliveries, pa.int32()))
         return pa.Table.from_arrays([delivery_count if at < 0 else columns[at]
                                      for at in live.claim_sources], schema=tdef.claim_schema())
 
+    @staticmethod
+    def _sources(live: LiveTable, rows: list[Row], payloads: list[tuple[pa.Table, int] | None]
+                 ) -> dict[int, tuple[pa.Table, list[int], list[int]]]:
+        """The claim's rows by the cached table (the put) they come from: its row numbers
+        there and their positions in the claim."""
+        sources: dict[int, tuple[pa.Table, list[int], list[int]]] = {}
+        for position, (r, payload) in enumerate(zip(rows, payloads)):
+            if payload is None:
+                raise StorageError(f"row {r.sample_id!r} (version {r.version}) of "
+                                   f"{live.tdef.name!r} vanished while being claimed")
+            table, index = payload
+            entry = sources.setdefault(id(table), (table, [], []))
+            entry[1].append(index)
+            entry[2].append(position)
+        return sources
+
     def _one_put_columns(self, live: LiveTable, table: pa.Table,
-                         indices: list[int]) -> dict[int, pa.Array]:
-        """The claim's columns (by position in the payload) from rows ``indices`` of one cached
-        put: each column the claim returns cut alone, by-reference values from the put's chunks
-        by row number where they are held in memory (:meth:`BlobStore.put_rows`).
+                         rows: RowCut) -> dict[int, pa.Array]:
+        """The claim's columns (by position in the payload) from rows ``rows`` of one cached
+        put: the plain columns cut together, each by-reference column alone, from the put's
+        chunks by row number where they are held in memory (:meth:`BlobStore.put_rows`).
 
-        Why column by column: the claim answers a few of the put's columns' rows; slicing and
-        combining the whole cached table (its keys and inline placeholders too) first cost more
-        than the rest of the cut."""
-        def rows(at: int) -> pa.Array:
-            return cut(table.column(at), indices)
-
-        columns: dict[int, pa.Array] = {}
+        Why not the whole cached table cut at once: its keys and inline placeholders would be
+        cut too, for nothing, where the put's chunks are held."""
+        plain = live.claim_plain
+        columns = dict(zip(plain, rows.columns(table.select(plain))))
         for value_at, key_at in live.claim_refs:
-            got = self._blobs.put_rows(table, key_at, indices, table.schema.field(value_at).type)
+            got = self._blobs.put_rows(table, key_at, rows, table.schema.field(value_at).type)
             if got is None:
-                keys = rows(key_at)
-                if keys.null_count == len(keys):  # every value inline
-                    continue
-                got = self._resolved(rows(value_at), keys)
+                keys = rows.array(table.column(key_at))
+                got = rows.array(table.column(value_at))
+                if keys.null_count < len(keys):  # some values are in the blob store
+                    got = self._resolved(got, keys)
             columns[value_at] = got
-        for at in live.claim_sources:
-            if at >= 0 and at not in columns:
-                columns[at] = rows(at)
         return columns
 
     def _columns(self, live: LiveTable,

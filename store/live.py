@@ -181,6 +181,10 @@ class LiveTable:
                               for n in tdef.claim_schema().names]
         self.claim_refs = [(payload.index(c.name), payload.index(c.ref))
                            for c in tdef.columns if c.ref]
+        # The claim columns taken from the payload as they are (not values that may be stored
+        # by reference), cut together.
+        by_ref = {value_at for value_at, _ in self.claim_refs}
+        self.claim_plain = [at for at in self.claim_sources if at >= 0 and at not in by_ref]
         # Terminal rows (consumed, stale, dead) that a put may still address, so that a put of a
         # key that is not live needs no DuckDB lookup: policy_version -> sample_id -> row_id.
         # Only versions a put may still carry (>= current version - max_staleness; older ones

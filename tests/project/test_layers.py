@@ -31,7 +31,7 @@ STORE_LAYERS = {
     # the blob store's file format; no DuckDB
     "store.errors": MODEL, "store.naming": MODEL, "store.types": MODEL, "store.tensors": MODEL,
     "store.schema": MODEL, "store.settings": MODEL, "store.cache": MODEL, "store.ipc": MODEL,
-    "store.barrier": MODEL, "store.blob_rows": MODEL, "store.blobs": MODEL,
+    "store.barrier": MODEL, "store.blob_rows": MODEL, "store.row_cut": MODEL, "store.blobs": MODEL,
     "store.prepare": MODEL,
     # DuckDB and storage helpers: opening a database, Arrow sources, the SQL guard and the query
     # views, the put log's format, storage faults; claim requests and the Store protocol sit

@@ -16,6 +16,7 @@ import store
 from store import blob_rows, tensors
 from store.blobs import BlobStore, keys_for, serialize_chunk_buffer
 from store.errors import StorageError
+from store.row_cut import RowCut
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "blobs-exb2")
 
@@ -233,7 +234,7 @@ def test_rows_of_a_cached_put_are_cut_by_row_number(tmp_path):
     for name, arr in cols.items():
         source = pa.table({"k": keys_for(keys[name], len(arr))})
         for rows in (list(range(10, 26)), rnd.sample(range(len(arr)), 16), [5]):
-            got = b.put_rows(source, 0, rows, arr.type)
+            got = b.put_rows(source, 0, RowCut(rows), arr.type)
             assert got is not None and got.equals(arr.take(rows)), (name, rows)
     arr = cols["ids"]
     shuffled = pa.table({"k": keys_for(keys["ids"], len(arr)).take(list(range(len(arr)))[::-1])})
@@ -244,7 +245,7 @@ def test_rows_of_a_cached_put_are_cut_by_row_number(tmp_path):
     for b_, source in ((b, shuffled), (b, with_null),
                        (other, pa.table({"k": keys_for(cold, len(arr))}))):
         # keys not naming one chunk's rows in order, or a chunk not in memory: resolve them
-        assert b_.put_rows(source, 0, [1, 2], arr.type) is None
+        assert b_.put_rows(source, 0, RowCut([1, 2]), arr.type) is None
 
 
 def test_a_claim_of_a_fresh_put_cuts_its_values_without_resolving_keys(tmp_path, monkeypatch):
@@ -298,7 +299,7 @@ def test_a_run_of_one_chunks_keys_is_resolved_in_bulk(tmp_path, recent):
 
 
 def test_cut_rows_in_runs_is_a_take():
-    from store.blobs import MAX_RUNS, cut
+    from store.row_cut import MAX_RUNS, cut
     cols = _columns(120)
     rnd = random.Random(5)
     cases = [list(range(30, 46)),                                # one run: a slice

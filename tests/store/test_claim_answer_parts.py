@@ -10,6 +10,7 @@ import pytest
 
 from store.ipc import ipc_stream
 from store.claim_engine import MAX_SLICES, _rows_of
+from store.row_cut import MAX_RUNS, RowCut
 
 
 def _table(n: int) -> pa.Table:
@@ -65,3 +66,30 @@ def test_ipc_stream_reads_back_as_the_same_table(table):
     with pa.ipc.new_stream(sink, table.schema) as w:
         w.write_table(table)
     assert pa.ipc.open_stream(sink.getvalue()).read_all().equals(back)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_row_cut_of_a_whole_table_equals_a_take(seed):
+    """A claim cuts its plain columns together (one slice, one join of runs, or one take): the
+    same rows as a take, each column one array, from a table of one batch or of several."""
+    rng = random.Random(seed)
+    table = _table(300)
+    if seed % 2:
+        table = pa.Table.from_batches(table.to_batches(max_chunksize=70))
+    kind = seed % 3
+    if kind == 0:
+        start = rng.randint(0, 280)
+        rows = list(range(start, start + rng.randint(1, 20)))
+    elif kind == 1:
+        rows = []
+        for _ in range(rng.randint(2, MAX_RUNS)):
+            start = rng.randint(0, 290)
+            rows += list(range(start, start + rng.randint(1, 10)))
+    else:
+        rows = rng.sample(range(300), rng.randint(MAX_RUNS + 2, 40))
+    cut = RowCut(rows)
+    assert (cut.runs is None) == (kind == 2)
+    got = cut.columns(table)
+    assert all(isinstance(c, pa.Array) for c in got)
+    assert pa.Table.from_arrays(got, schema=table.schema).equals(table.take(rows).combine_chunks())
+    assert cut.array(table.column("l")).equals(table.column("l").take(rows).combine_chunks())
