@@ -172,19 +172,24 @@ class StoreIndex:
         """Lease the picked rows under a new claim id (lock held); their bookkeeping waits here
         for the writer."""
         lease = Lease(uuid.uuid4().hex, owner, time.time() + seconds, [])
+        claim_id = lease.claim_id
         expires = dt.datetime.fromtimestamp(lease.expires_at, dt.timezone.utc)
+        redeliveries = 0
         for live, rows in picks:
+            live.lease_rows(rows, lease)
+            lease.rows.extend([(live, row) for row in rows])
             pending = self._row_updates.setdefault(live.tdef.name, {})
             for row in rows:
-                live.lease_row(row, lease)
-                lease.rows.append((live, row))
-                pending[row.row_id] = LeaseUpdate(row.row_id, True, lease.claim_id, owner,
-                                                  expires, row.deliveries, False, False)
-        self.claims[lease.claim_id] = lease
-        heapq.heappush(self._expiry, (lease.expires_at, lease.claim_id))
+                deliveries = row.deliveries
+                pending[row.row_id] = LeaseUpdate(row.row_id, True, claim_id, owner, expires,
+                                                  deliveries, False, False)
+                if deliveries > 1:
+                    redeliveries += 1
+        self.claims[claim_id] = lease
+        heapq.heappush(self._expiry, (lease.expires_at, claim_id))
         self.counters["claims"] += 1
         self.counters["rows_claimed"] += len(lease.rows)
-        self.counters["redeliveries"] += sum(1 for _, r in lease.rows if r.deliveries > 1)
+        self.counters["redeliveries"] += redeliveries
         return lease
 
     def release_unread(self, lease: Lease) -> bool:
