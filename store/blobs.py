@@ -307,9 +307,9 @@ class BlobStore:
         # (segment, offset, length) -> (the chunk's values over its own buffer, its size)
         self._recent: OrderedDict[tuple[int, int, int], tuple[pa.Array, int]] = OrderedDict()
         self._recent_held = 0
-        # (id of a cached put's table, its key column) -> (the table, weakly; the chunk whose
-        # rows 0 … n-1 that column names in order, or None): see put_rows
-        self._whole: dict[tuple[int, int], tuple[weakref.ref, tuple[int, int, int] | None]] = {}
+        # id of a cached put's table -> (the table, weakly; by key column, the chunk whose rows
+        # 0 … n-1 that column names in order, or None): see put_columns
+        self._whole: dict[int, tuple[weakref.ref, dict[int, tuple[int, int, int] | None]]] = {}
         try:
             if self._local:
                 os.makedirs(self.root, exist_ok=True)
@@ -587,32 +587,46 @@ class BlobStore:
             return self._chunk(segment, offset, length)
         return self._read_rows(ck, index, list(range(index.rows)))
 
-    def put_rows(self, source: pa.Table, key_at: int, rows: RowCut,
-                 value_type: pa.DataType) -> pa.Array | None:
-        """Rows ``rows`` of the values column ``key_at`` of ``source`` refers to, cut
-        straight from a chunk kept in memory (see :meth:`_keep_recent`); None where that is not
-        so (then :meth:`resolve` the keys).
+    def put_columns(self, source: pa.Table, key_ats: Sequence[int], rows: RowCut,
+                    value_types: Sequence[pa.DataType]) -> list[pa.Array | None]:
+        """For each key column ``key_ats[i]`` of ``source``, rows ``rows`` of the values it
+        refers to (as ``value_types[i]``), cut straight from a chunk kept in memory (see
+        :meth:`_keep_recent`); None where that is not so (then :meth:`resolve` the keys).
 
-        ``source`` is a put as the claim cache holds it: a column of keys the writer built with
-        :func:`keys_for`, naming one chunk's rows in order. Why: a claim then cuts its rows by
-        their row numbers, without parsing and grouping a key per value (most of a claim's time
-        in the store for a few wide rows); whether a column is such a column is checked once per
-        cached put."""
-        memo = (id(source), key_at)
+        ``source`` is a put as the claim cache holds it: columns of keys the writer built with
+        :func:`keys_for`, each naming one chunk's rows in order. Why: a claim then cuts its rows
+        by their row numbers, without parsing and grouping a key per value (most of a claim's
+        time in the store for a few wide rows); whether a column is such a column is checked
+        once per cached put. Why all of a claim's columns in one call: a lookup and a lock per
+        column were a noticeable share of a claim of a few rows."""
+        chunks = self._whole_chunks(source, key_ats)
+        with self._cache_lock:
+            held = [None if ck is None else self._recent.get(ck) for ck in chunks]
+        out: list[pa.Array | None] = []
+        for values, value_type in zip(held, value_types):
+            if values is None:
+                out.append(None)
+                continue
+            got = rows.array(values[0])
+            out.append(got if got.type == value_type else got.cast(value_type))
+        return out
+
+    def _whole_chunks(self, source: pa.Table,
+                      key_ats: Sequence[int]) -> list[tuple[int, int, int] | None]:
+        """The chunk each key column of ``source`` names whole (:func:`whole_chunk`), checked
+        once per cached put and column."""
+        memo = id(source)
         known = self._whole.get(memo)
         if known is None or known[0]() is not source:
-            ck = whole_chunk(source.column(key_at))
-            self._whole[memo] = (weakref.ref(source, lambda _: self._whole.pop(memo, None)), ck)
-        else:
-            ck = known[1]
-        if ck is None:
-            return None
-        with self._cache_lock:
-            held = self._recent.get(ck)
-        if held is None:
-            return None
-        got = rows.array(held[0])
-        return got if got.type == value_type else got.cast(value_type)
+            known = (weakref.ref(source, lambda _: self._whole.pop(memo, None)), {})
+            self._whole[memo] = known
+        by_column = known[1]
+        out = []
+        for at in key_ats:
+            if at not in by_column:
+                by_column[at] = whole_chunk(source.column(at))
+            out.append(by_column[at])
+        return out
 
     def resolve(self, keys: Sequence[str | None], value_type: pa.DataType) -> pa.Array:
         """The values for ``keys`` (None stays null), in order.

@@ -190,14 +190,17 @@ class ClaimEngine:
                          rows: RowCut) -> dict[int, pa.Array]:
         """The claim's columns (by position in the payload) from rows ``rows`` of one cached
         put: the plain columns cut together, each by-reference column alone, from the put's
-        chunks by row number where they are held in memory (:meth:`BlobStore.put_rows`).
+        chunks by row number where they are held in memory (:meth:`BlobStore.put_columns`).
 
         Why not the whole cached table cut at once: its keys and inline placeholders would be
         cut too, for nothing, where the put's chunks are held."""
         plain = live.claim_plain
         columns = dict(zip(plain, rows.columns(table.select(plain))))
-        for value_at, key_at in live.claim_refs:
-            got = self._blobs.put_rows(table, key_at, rows, table.schema.field(value_at).type)
+        refs = live.claim_refs
+        types = table.schema.types
+        held = self._blobs.put_columns(table, [key_at for _, key_at in refs], rows,
+                                       [types[value_at] for value_at, _ in refs])
+        for (value_at, key_at), got in zip(refs, held):
             if got is None:
                 keys = rows.array(table.column(key_at))
                 got = rows.array(table.column(value_at))

@@ -231,11 +231,13 @@ def test_rows_of_a_cached_put_are_cut_by_row_number(tmp_path):
     b = BlobStore(str(tmp_path / "blobs"))
     keys = _write(b, cols)
     rnd = random.Random(3)
-    for name, arr in cols.items():
-        source = pa.table({"k": keys_for(keys[name], len(arr))})
-        for rows in (list(range(10, 26)), rnd.sample(range(len(arr)), 16), [5]):
-            got = b.put_rows(source, 0, RowCut(rows), arr.type)
-            assert got is not None and got.equals(arr.take(rows)), (name, rows)
+    names = list(cols)
+    source = pa.table({n: keys_for(keys[n], len(cols[n])) for n in names})
+    for rows in (list(range(10, 26)), rnd.sample(range(len(cols["ids"])), 16), [5]):
+        got = b.put_columns(source, list(range(len(names))), RowCut(rows),
+                            [cols[n].type for n in names])
+        for name, column in zip(names, got):   # every column of the put, in one call
+            assert column is not None and column.equals(cols[name].take(rows)), (name, rows)
     arr = cols["ids"]
     shuffled = pa.table({"k": keys_for(keys["ids"], len(arr)).take(list(range(len(arr)))[::-1])})
     with_null = pa.table({"k": pa.array([f"{keys['ids']}:{i}" if i else None
@@ -245,7 +247,7 @@ def test_rows_of_a_cached_put_are_cut_by_row_number(tmp_path):
     for b_, source in ((b, shuffled), (b, with_null),
                        (other, pa.table({"k": keys_for(cold, len(arr))}))):
         # keys not naming one chunk's rows in order, or a chunk not in memory: resolve them
-        assert b_.put_rows(source, 0, RowCut([1, 2]), arr.type) is None
+        assert b_.put_columns(source, [0], RowCut([1, 2]), [arr.type]) == [None]
 
 
 def test_a_claim_of_a_fresh_put_cuts_its_values_without_resolving_keys(tmp_path, monkeypatch):
