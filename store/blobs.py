@@ -84,9 +84,9 @@ STAGING_BYTES = 16 << 20            # the page-aligned buffer O_DIRECT writes go
 # the staging buffer holds the GIL for the whole copy and made the write markedly longer.
 IN_PLACE_MIN_BYTES = 64 << 10
 # ColumnChunks up to this size are serialised, for an O_DIRECT write, into one of two buffers
-# the store keeps (their pages stay mapped from one write to the next); larger ones into new
-# memory.
-SLOT_BYTES = 16 << 20
+# the store keeps (their pages stay mapped from one write to the next; each grows to the largest
+# chunk it took); larger ones into new memory.
+SLOT_BYTES = 32 << 20
 # Writes of serialised ColumnChunks, so that the next one is serialised meanwhile (a few
 # threads: several stores in one process write at once).
 _WRITES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="expstore-blob-write")
@@ -531,15 +531,16 @@ class BlobStore:
 
     def _slot(self, slot: int, size: int) -> tuple[pa.Buffer, memoryview]:
         """A page-aligned buffer of at least ``size`` bytes to serialise a ColumnChunk into
-        (as a mutable Arrow buffer, and a view of it): slot 0 or 1, kept from write to write,
-        up to :data:`SLOT_BYTES`; new memory beyond that."""
+        (as a mutable Arrow buffer, and a view of it): slot 0 or 1, kept from write to write
+        and grown to the largest chunk up to :data:`SLOT_BYTES`; new memory beyond that."""
         if size > SLOT_BYTES:
             memory = mmap.mmap(-1, size)
             return pa.py_buffer(memory), memoryview(memory)
-        if self._slots[slot] is None:
-            memory = mmap.mmap(-1, SLOT_BYTES)
-            self._slots[slot] = (pa.py_buffer(memory), memoryview(memory))
-        return self._slots[slot]  # type: ignore[return-value]
+        held = self._slots[slot]
+        if held is None or held[0].size < size:
+            memory = mmap.mmap(-1, max(size, 4 << 20))
+            held = self._slots[slot] = (pa.py_buffer(memory), memoryview(memory))
+        return held
 
     def rollback(self) -> None:
         """Forget staged chunks (their group commit failed before sync)."""
