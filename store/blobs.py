@@ -25,8 +25,8 @@ Local segments are written with ``O_DIRECT`` where the filesystem accepts it (pa
 writeback, not the device, limits buffered ``write`` + ``fsync``): each group commit then starts
 at a 4 KiB-aligned offset and its tail is padded with zeros to a 4 KiB boundary. Large chunks
 (:data:`IN_PLACE_MIN_BYTES` and up) are written from page-aligned memory with zeroed padding,
-each at a 4 KiB-aligned offset of its own: a :class:`ColumnChunk` (a column that arrived in
-read-only buffers) is serialised only then, into one of two buffers kept for that, while the one
+each at a 4 KiB-aligned offset of its own: a :class:`ColumnChunk` (a column of 4 MiB and more
+that arrived in read-only buffers) is serialised only then, into one of two buffers kept for that, while the one
 before it is written from the other; a chunk serialised by the caller
 (:func:`serialize_chunk_buffer`) is written from its own memory. Smaller ones are copied back
 to back through a page-aligned staging buffer. Keys carry offsets, so readers never see the
@@ -87,6 +87,10 @@ IN_PLACE_MIN_BYTES = 64 << 10
 # the store keeps (their pages stay mapped from one write to the next; each grows to the largest
 # chunk it took); larger ones into new memory.
 SLOT_BYTES = 32 << 20
+# A column is serialised when written (a ColumnChunk) only from this chunk size on: smaller
+# chunks of a stream of batches went faster serialised at prepare, off the writer's path, while
+# the writer wrote the batch before (BENCHMARKS.md, issue 30).
+DEFER_MIN_BYTES = 4 << 20
 # Writes of serialised ColumnChunks, so that the next one is serialised meanwhile (a few
 # threads: several stores in one process write at once).
 _WRITES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="expstore-blob-write")
@@ -175,9 +179,13 @@ def serialize_chunk_buffer(values: pa.Array) -> pa.Buffer:
 def column_chunk(values: pa.Array, *, owned: bool) -> Chunk:
     """``values`` as a chunk to append: a :class:`ColumnChunk`, serialised when it is written,
     where nothing can change the values meanwhile (``owned``: arrays only the store holds, or
-    made of :func:`read_only` ones); else serialised now (a caller's arrays may lie over memory
-    it changes later, a numpy array's)."""
-    return ColumnChunk(values) if owned else serialize_chunk_buffer(values)
+    made of :func:`read_only` ones) and the chunk is large (:data:`DEFER_MIN_BYTES`); else
+    serialised now (a caller's arrays may lie over memory it changes later, a numpy array's)."""
+    if owned:
+        chunk = ColumnChunk(values)
+        if len(chunk) >= DEFER_MIN_BYTES:
+            return chunk
+    return serialize_chunk_buffer(values)
 
 
 def read_only(values: pa.Array | pa.ChunkedArray) -> bool:

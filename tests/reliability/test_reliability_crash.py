@@ -97,14 +97,14 @@ def test_every_lease_is_void_after_a_kill_9_and_its_rows_come_again(tmp_path):
 
 
 # -- kill -9 in the middle of large by-reference puts -------------------------------------------
-WIDE_ROWS, WIDE_WIDTH = 256, 1024
+WIDE_ROWS, WIDE_WIDTH = 1100, 1024  # columns of 4.4 MB: serialised when written
 
 
 def _wide_put(run: int, i: int) -> "pa.Table":
     """Put ``i`` of run ``run``: two list<float32> columns whose values tell their row."""
     sids = [f"w{run}p{i}x{k}_0_0" for k in range(WIDE_ROWS)]
     base = np.arange(WIDE_WIDTH, dtype=np.float32)
-    rows = np.arange(WIDE_ROWS, dtype=np.float32)[:, None] + np.float32(i * 1000)
+    rows = np.arange(WIDE_ROWS, dtype=np.float32)[:, None] + np.float32(i * 10000)
     offsets = pa.array(np.arange(0, (WIDE_ROWS + 1) * WIDE_WIDTH, WIDE_WIDTH, dtype=np.int32))
     return pa.table({"sample_id": sids, **{
         name: pa.ListArray.from_arrays(offsets, pa.array((base * scale + rows).reshape(-1)))
@@ -115,14 +115,14 @@ def _expected_row(sid: str) -> tuple[list[float], list[float]]:
     i = int(sid.split("p", 1)[1].split("x", 1)[0])
     k = int(sid.split("x", 1)[1].split("_", 1)[0])
     base = np.arange(WIDE_WIDTH, dtype=np.float32)
-    row = np.float32(k) + np.float32(i * 1000)
+    row = np.float32(k) + np.float32(i * 10000)
     return (base * np.float32(1.0) + row).tolist(), (base * np.float32(-2.0) + row).tolist()
 
 
 def test_kill_9_during_large_by_reference_puts_loses_nothing_acknowledged(tmp_path):
-    """Puts of 256 rows × 2 columns of 4 KB values, every value by reference, through the Flight
-    server (their columns arrive in read-only buffers: the blob thread serialises each chunk
-    while it writes the one before), the server killed with SIGKILL at random moments: after
+    """Puts of 1,100 rows × 2 columns of 4 KB values, every value by reference, through the
+    Flight server (their columns arrive in read-only buffers and are large: the blob thread
+    serialises each chunk while it writes the one before), the server killed with SIGKILL at random moments: after
     each restart every acknowledged row is there with its values, and every row there (an
     unacknowledged put may have made it) reads back whole: no row names bytes that are not on
     disk."""

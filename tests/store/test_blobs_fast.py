@@ -240,8 +240,11 @@ def test_read_only_tells_received_columns_from_a_callers_arrays():
     assert blobs.read_only(pa.chunked_array(received[:1]))
     assert not blobs.read_only(pa.array(np.arange(10.0)))         # over numpy's memory
     assert not blobs.read_only(_values(10, 100, "mine"))
-    assert isinstance(blobs.column_chunk(received[0], owned=True), blobs.ColumnChunk)
     assert isinstance(blobs.column_chunk(received[0], owned=False), pa.Buffer)
+    assert isinstance(blobs.column_chunk(received[0], owned=True), pa.Buffer)   # small
+    big = _received(_values(1100, 4000, "big"))[0]                               # 4.4 MB
+    assert isinstance(blobs.column_chunk(big, owned=True), blobs.ColumnChunk)
+    assert isinstance(blobs.column_chunk(big, owned=False), pa.Buffer)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
