@@ -316,3 +316,29 @@ def test_cut_rows_in_runs_is_a_take():
             for values in (arr, chunked):
                 got = cut(values, rows)
                 assert isinstance(got, pa.Array) and got.equals(expected), (name, rows)
+
+
+def test_whole_chunk_accepts_only_the_keys_of_a_whole_chunk_in_order():
+    """The check a claim relies on to cut a put's rows by row number (compared as bytes where
+    the keys are one large_string array, in Arrow otherwise)."""
+    from store.blobs import whole_chunk
+    prefix = "3:8192:40960"
+    keys = keys_for(prefix, 120)
+    assert whole_chunk(pa.chunked_array([keys])) == (3, 8192, 40960)
+    assert whole_chunk(pa.chunked_array([keys.cast(pa.string())])) == (3, 8192, 40960)
+    assert whole_chunk(pa.chunked_array([keys.slice(0, 60), keys.slice(60)])) == (3, 8192, 40960)
+    swapped = list(range(120))
+    swapped[11], swapped[12] = 12, 11                   # same lengths, other characters
+    bad = [keys.take(swapped),
+           keys.slice(1),                                # starts at row 1
+           keys.slice(0, 119),                           # (fine: rows 0 … 118)
+           pa.array([f"{prefix}:{i:02d}" for i in range(120)], pa.large_string()),
+           pa.array([f"{prefix}:{i}" for i in range(119)] + [f"{prefix}:200"], pa.large_string()),
+           pa.array([f"3:8192:40961:{i}" if i == 7 else f"{prefix}:{i}" for i in range(120)],
+                    pa.large_string())]
+    got = [whole_chunk(pa.chunked_array([b])) for b in bad]
+    assert got == [None, None, (3, 8192, 40960), None, None, None]
+    sliced = keys_for(prefix, 121).slice(1)             # an offset into its buffers: in Arrow
+    assert whole_chunk(pa.chunked_array([sliced])) is None
+    assert whole_chunk(pa.chunked_array([keys_for(prefix, 130).slice(0, 120)])) == \
+        (3, 8192, 40960)
