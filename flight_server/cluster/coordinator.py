@@ -60,6 +60,9 @@ NODE_CALL_TIMEOUT = 300.0
 #: nodes before it may reach the coordinator after the first pass), and this long after a pass
 #: that left values with one copy (no other live node, or a node failed)
 REPAIR_FOLLOW_UP = 5.0
+#: how long closing waits for the node monitor to end its step (a probe, a sweep; a copy between
+#: data nodes may take longer, and is then left to fail)
+MONITOR_STOP_SECONDS = 10.0
 
 
 class ClusterRegistry:
@@ -570,7 +573,11 @@ class CoordinatorServer(ExpstoreFlightServer):
             os.fsync(f.fileno())
 
     def close(self) -> None:
+        # The node monitor reads and writes the store (sweeps, repairs): it ends its step
+        # before the store closes under it (a query still running refused the close).
         self._monitor_stop.set()
+        if self._monitor is not threading.current_thread():
+            self._monitor.join(MONITOR_STOP_SECONDS)
         super().close()
 
 
