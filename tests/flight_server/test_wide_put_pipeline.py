@@ -277,3 +277,51 @@ def test_a_failed_statement_waits_for_the_blob_write_and_commits_nothing(embedde
     assert s.query("SELECT count(*) AS n FROM t").to_pylist() == [{"n": ROWS}]
     assert [r["prompt"] for r in s.query("SELECT * FROM t WHERE sample_id = 'ok9_0_0'")
             .to_pylist()] == [_text("ok", 9)]
+
+
+# -- large columns sent by Flight: serialised when written, kept as they arrived ------------------
+
+def test_large_columns_sent_by_flight_read_back_the_same_every_way(tmp_path, monkeypatch):
+    """Columns of 4 MB and more that arrive in a Flight batch are written by the blob thread
+    (store.blobs.ColumnChunk) and the newest stay in memory as they arrived, not as a copy:
+    claims, ``SELECT *`` and a query taking the values through DuckDB all give back what was
+    sent, fresh (from memory) and after the server restarted (from the segments)."""
+    import numpy as np
+    rows, width = 1100, 1024
+    floats = np.arange(rows * width, dtype=np.float32)
+    offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32))
+    sent = pa.table({
+        "sample_id": [f"q{i}_0_0" for i in range(rows)],
+        "v": pa.ListArray.from_arrays(offsets, pa.array(floats)),
+        "t": [f"{i}:" + "x" * 4000 for i in range(rows)],
+    })
+    expected = {r["sample_id"]: (r["v"], r["t"]) for r in sent.to_pylist()}
+
+    def check(s) -> None:
+        got = s.query("SELECT * FROM big").to_pylist()
+        assert {r["sample_id"]: (r["v"], r["t"]) for r in got} == expected
+        some = s.query("SELECT sample_id, v, t FROM big WHERE input_id IN ('q7', 'q900')"
+                       ).to_pylist()
+        assert {r["sample_id"]: (r["v"], r["t"]) for r in some} == \
+            {k: expected[k] for k in ("q7_0_0", "q900_0_0")}
+
+    written = []
+    real = blobs.ColumnChunk.write_into
+    monkeypatch.setattr(blobs.ColumnChunk, "write_into",
+                        lambda self, into: written.append(len(self)) or real(self, into))
+    db = tmp_path / "big.duckdb"
+    with running_server(db) as srv:
+        with store.connect(f"grpc://127.0.0.1:{srv.port}") as s:
+            s.create_table("big", {"v": "list<float32>", "t": "string"},
+                           storage={"v": "ref", "t": "ref"})
+            s.put("big", sent)
+            assert len(written) == 2 and min(written) >= blobs.DEFER_MIN_BYTES
+            check(s)
+            for size in (16, 64):
+                c = s.claim("big", size)
+                assert c.data.num_rows == size
+                for r in c.data.to_pylist():
+                    assert (r["v"], r["t"]) == expected[r["sample_id"]]
+    with running_server(db) as srv:
+        with store.connect(f"grpc://127.0.0.1:{srv.port}") as s:
+            check(s)
