@@ -197,9 +197,9 @@ class ClaimEngine:
         plain = live.claim_plain
         columns = dict(zip(plain, rows.columns(table.select(plain))))
         refs = live.claim_refs
-        types = table.schema.types
+        schema = table.schema
         held = self._blobs.put_columns(table, [key_at for _, key_at in refs], rows,
-                                       [types[value_at] for value_at, _ in refs])
+                                       [schema.field(value_at).type for value_at, _ in refs])
         for (value_at, key_at), got in zip(refs, held):
             if got is None:
                 keys = rows.array(table.column(key_at))
