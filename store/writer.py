@@ -252,8 +252,10 @@ class Writer:
                 continue
             # Lease bookkeeping rides along with the group once its flush is due (or nothing
             # asked for one: expiries), not sooner: most claims are acked before then, and an
-            # ack supersedes their bookkeeping, which is then never written at all.
-            leases = self._flush_due is None or time.monotonic() >= self._flush_due
+            # ack supersedes their bookkeeping, which is then never written at all. A close
+            # writes what is pending: after a restart, an ack of a claim made before it is told
+            # that the restart voided the lease, not that the claim is unknown.
+            leases = stop or self._flush_due is None or time.monotonic() >= self._flush_due
             if leases:
                 self._flush_due = None
             if ops or (leases and self._index.has_pending_row_updates()):
