@@ -290,11 +290,14 @@ def test_large_columns_sent_by_flight_read_back_the_same_every_way(tmp_path, mon
     rows, width = 1100, 1024
     floats = np.arange(rows * width, dtype=np.float32)
     offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32))
-    sent = pa.table({
-        "sample_id": [f"q{i}_0_0" for i in range(rows)],
-        "v": pa.ListArray.from_arrays(offsets, pa.array(floats)),
-        "t": [f"{i}:" + "x" * 4000 for i in range(rows)],
-    })
+    def table(tag: str, shift: float) -> pa.Table:
+        return pa.table({
+            "sample_id": [f"q{i}_0_0" for i in range(rows)],
+            "v": pa.ListArray.from_arrays(offsets, pa.array(floats + np.float32(shift))),
+            "t": [f"{tag}{i}:" + "x" * 4000 for i in range(rows)],
+        })
+
+    sent = table("a", 0.0)
     expected = {r["sample_id"]: (r["v"], r["t"]) for r in sent.to_pylist()}
 
     def check(s) -> None:
@@ -322,6 +325,12 @@ def test_large_columns_sent_by_flight_read_back_the_same_every_way(tmp_path, mon
                 assert c.data.num_rows == size
                 for r in c.data.to_pylist():
                     assert (r["v"], r["t"]) == expected[r["sample_id"]]
+            # The same samples again: an update, committed through DuckDB, not the put log.
+            sent = table("b", 0.5)
+            expected = {r["sample_id"]: (r["v"], r["t"]) for r in sent.to_pylist()}
+            s.put("big", sent)
+            assert len(written) == 4
+            check(s)
     with running_server(db) as srv:
         with store.connect(f"grpc://127.0.0.1:{srv.port}") as s:
             check(s)
