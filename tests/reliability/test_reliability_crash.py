@@ -22,6 +22,7 @@ import store
 from store.errors import LeaseExpired, NotFound
 
 import reliability_helpers as rh
+from waiting import wait_until
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "crash_loop.py"
 
@@ -69,7 +70,12 @@ def test_every_lease_is_void_after_a_kill_9_and_its_rows_come_again(tmp_path):
             s.put("t", {"sample_id": ids, "reward": [rh.reward_of(i) for i in ids]})
             written = s.claim("t", 5, lease_seconds=600.0)
             acked = s.claim("t", 5)
-            s.ack(acked.claim_id)  # a commit: the first claim's lease is in DuckDB now
+            s.ack(acked.claim_id)
+            # the first claim's lease reaches DuckDB (within the lease flush delay)
+            wait_until(lambda: s.query(
+                "SELECT count(*) AS n FROM t WHERE lease_id = ? AND is_processing",
+                [written.claim_id]).column(0).to_pylist() == [5],
+                timeout=20, message="the first claim's lease written")
             just_before = s.claim("t", 5, lease_seconds=600.0)
         srv.kill()
         srv.start()
