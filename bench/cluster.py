@@ -160,7 +160,7 @@ def run(ctx: Ctx) -> None:
 
     counts = node_counts(ctx)
     # with a quarter of this, a phase on many cores was over too soon to measure more than
-    # start-up jitter (BENCHMARKS.md, "Scale-out on Ray")
+    # start-up jitter (docs/bench/history.md, "The scale-out runs of 2026-11-26")
     rows_per_node = ctx.pick(512, 8192)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False})
