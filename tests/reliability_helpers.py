@@ -228,7 +228,7 @@ def response_of(sample_id: str, big: bool) -> str:
 
 def inject_writer_bug(monkeypatch: Any, s: Any) -> None:
     """Make an embedded store's writer thread fail on its next group, as a bug in it would."""
-    def broken(ops: Any) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:   # whatever _run_group takes
         raise RuntimeError("injected writer bug")
 
     monkeypatch.setattr(s._writer, "_run_group", broken)  # noqa: SLF001
