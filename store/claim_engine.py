@@ -23,7 +23,7 @@ from .index import StoreIndex
 from .live import LOADING, Lease, LiveTable, Row
 from .naming import quote
 from .readers import Readers
-from .row_cut import RowCut
+from .row_cut import RowCut, runs_of
 from .settings import StoreSettings
 from .sqlguard import predicate_query
 from .types import one_array
@@ -297,26 +297,15 @@ def _first_deliveries(n: int) -> pa.Array:
 
 #: A claim's rows from one cached put are cut out as at most this many zero-copy slices (runs of
 #: consecutive rows); more runs take a ``take``, which copies every column of the rows.
-MAX_SLICES = 8
-
-
 def _rows_of(table: pa.Table, indices: list[int]) -> pa.Table:
     """Rows ``indices`` of ``table``, in that order: zero-copy slices when they form a few
     ascending runs (the usual case: rows are claimed in about the order they were written; a
     slice costs next to nothing, where a take copies every column of the rows), else a take."""
-    first = indices[0]
-    if indices[-1] - first == len(indices) - 1 and indices == list(range(first, first + len(indices))):
-        return table.slice(first, len(indices))
-    runs: list[tuple[int, int]] = []
-    start = previous = first
-    for index in indices[1:]:
-        if index != previous + 1:
-            runs.append((start, previous - start + 1))
-            if len(runs) >= MAX_SLICES:
-                return table.take(indices)
-            start = index
-        previous = index
-    runs.append((start, previous - start + 1))
+    runs = runs_of(indices)
+    if runs is None:
+        return table.take(indices)
+    if len(runs) == 1:
+        return table.slice(*runs[0])
     return pa.concat_tables([table.slice(at, n) for at, n in runs])
 
 

@@ -47,7 +47,7 @@ class RowCut:
             raise ValueError("a cut needs at least one row")
         self.rows = rows
         self._indices: pa.Array | None = None
-        self.runs = _runs(rows)
+        self.runs = runs_of(rows)
 
     def indices(self) -> pa.Array:
         """The rows as an Arrow int64 array (for a take)."""
@@ -91,7 +91,7 @@ class RowCut:
         return [one_array(c) for c in part.columns]
 
 
-def _runs(rows: Sequence[int]) -> list[tuple[int, int]] | None:
+def runs_of(rows: Sequence[int]) -> list[tuple[int, int]] | None:
     """``(first row, length)`` of each run of consecutive rows, or None past :data:`MAX_RUNS`
     (a loop: for the few dozen rows of a claim, faster than numpy's calls)."""
     first = rows[0]

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pytest
 
 from store.ipc import ipc_stream
-from store.claim_engine import MAX_SLICES, _rows_of
+from store.claim_engine import _rows_of
+from store.row_cut import MAX_RUNS
 from store.row_cut import MAX_RUNS, RowCut
 
 
@@ -30,7 +31,7 @@ def test_rows_of_equals_a_take_for_any_indices(seed):
         indices = list(range(start, start + n))
     elif kind == 1:    # a few runs, in any order
         indices = []
-        for _ in range(rng.randint(2, MAX_SLICES)):
+        for _ in range(rng.randint(2, MAX_RUNS)):
             start = rng.randint(0, 290)
             indices += list(range(start, start + rng.randint(1, 10)))
     elif kind == 2:    # scattered: more runs than slices are worth
