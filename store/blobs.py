@@ -57,7 +57,7 @@ import pyarrow.fs as pafs
 import xxhash
 
 from . import blob_rows
-from .row_cut import MAX_RUNS, RowCut, cut  # noqa: F401 - MAX_RUNS: cut's bound, named here too
+from .row_cut import RowCut, cut
 from .errors import StorageError
 from .settings import StoreSettings
 from .types import one_array
@@ -170,10 +170,7 @@ def serialize_chunk_buffer(values: pa.Array) -> pa.Buffer:
 
     The buffer is the start of an allocation padded with zeros to a 4 KiB multiple, so that a
     large chunk can be written by O_DIRECT in place (see :func:`_in_place`)."""
-    layout = _layout(values)
-    padded = pa.allocate_buffer(_align_up(layout.length))  # slices are read-only: write this
-    _write_chunk(values, layout, padded)
-    return padded.slice(0, layout.length)
+    return ColumnChunk(values).serialized()
 
 
 def column_chunk(values: pa.Array, *, owned: bool) -> Chunk:
@@ -226,7 +223,7 @@ class ColumnChunk:
 
     def serialized(self) -> pa.Buffer:
         """The chunk in memory of its own."""
-        padded = pa.allocate_buffer(self.padded())
+        padded = pa.allocate_buffer(self.padded())  # slices are read-only: write this one
         _write_chunk(self.values, self.layout, padded)
         return padded.slice(0, self.layout.length)
 
