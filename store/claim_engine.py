@@ -295,12 +295,11 @@ def _first_deliveries(n: int) -> pa.Array:
     return _ONES.slice(0, n) if n <= len(_ONES) else pa.array(np.ones(n, np.int32))
 
 
-#: A claim's rows from one cached put are cut out as at most this many zero-copy slices (runs of
-#: consecutive rows); more runs take a ``take``, which copies every column of the rows.
 def _rows_of(table: pa.Table, indices: list[int]) -> pa.Table:
     """Rows ``indices`` of ``table``, in that order: zero-copy slices when they form a few
     ascending runs (the usual case: rows are claimed in about the order they were written; a
-    slice costs next to nothing, where a take copies every column of the rows), else a take."""
+    slice costs next to nothing, where a take copies every column of the rows), else a take
+    (past :data:`store.row_cut.MAX_RUNS` runs)."""
     runs = runs_of(indices)
     if runs is None:
         return table.take(indices)
