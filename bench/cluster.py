@@ -148,12 +148,56 @@ def _wait_all_arrived(ray: Any, barrier: Any, tasks: list[Any], what: str) -> No
         time.sleep(0.05)
 
 
+def _pinned(ids: list[str]) -> Any:
+    """A scheduling strategy pinning a task to node ``i`` of ``ids``."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def on(i: int) -> Any:
+        return NodeAffinitySchedulingStrategy(ids[i], soft=False)
+    return on
+
+
+def _expstore_at(ray: Any, cluster_up: Any, root: str, ids: list[str], rows: int,
+                 remotes: tuple[Any, Any, Any]) -> tuple[list[dict[str, Any]],
+                                                         list[dict[str, Any]], list[float]]:
+    """A fresh coordinator and a data node on each node of ``ids``; one producer, then one
+    trainer, pinned to each: their results, and the coordinator's CPU seconds around the puts
+    and around the reads."""
+    remote_produce, remote_train, remote_barrier = remotes
+    n, on = len(ids), _pinned(ids)
+    os.makedirs(root, exist_ok=True)
+    handle = cluster_up(None, db=os.path.join(root, "coord.duckdb"), port=_free_port(),
+                        data_dir=os.path.join(root, "data"), nodes=ids)
+    try:
+        with __import__("store").connect(handle.uri) as s:
+            s.create_table("wide", WIDE_COLUMNS, storage={c: "ref" for c in REF_COLUMNS})
+
+        def cpu() -> float:
+            return float(ray.get(handle.coordinator.cpu_seconds.remote()))
+
+        barrier = remote_barrier.remote(n)
+        puts = [remote_produce.options(num_cpus=0, scheduling_strategy=on(i))
+                .remote(handle.uri, i * rows, rows, barrier) for i in range(n)]
+        _wait_all_arrived(ray, barrier, puts, f"{n} producer(s)")
+        cpu0 = cpu()
+        puts = ray.get(puts, timeout=PHASE_TIMEOUT)
+        cpu1 = cpu()
+        barrier = remote_barrier.remote(n)
+        reads = [remote_train.options(num_cpus=0, scheduling_strategy=on(i))
+                 .remote(handle.uri, barrier) for i in range(n)]
+        _wait_all_arrived(ray, barrier, reads, f"{n} trainer(s)")
+        cpu2 = cpu()
+        reads = ray.get(reads, timeout=PHASE_TIMEOUT)
+        return puts, reads, [cpu0, cpu1, cpu2, cpu()]
+    finally:
+        handle.stop()
+
+
 def run(ctx: Ctx) -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     try:
         import ray
         from ray.cluster_utils import Cluster
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     except ImportError as e:
         raise Skip("ray not installed (pip install 'expstore[cluster]')") from e
     from flight_server.cluster.ray_cluster import cluster_up
@@ -181,34 +225,9 @@ def run(ctx: Ctx) -> None:
         for n in counts:
             print(f"  -- N = {n}", flush=True)
             try:
-                handle = cluster_up(None, db=os.path.join(tmp, f"coord-{n}.duckdb"),
-                                    port=_free_port(), data_dir=os.path.join(tmp, f"data-{n}"),
-                                    nodes=ids[:n])
-                try:
-                    with __import__("store").connect(handle.uri) as s:
-                        s.create_table("wide", WIDE_COLUMNS,
-                                       storage={c: "ref" for c in REF_COLUMNS})
-
-                    def on(i: int) -> Any:
-                        return NodeAffinitySchedulingStrategy(ids[i], soft=False)
-
-                    barrier = remote_barrier.remote(n)
-                    puts = [remote_produce.options(num_cpus=0, scheduling_strategy=on(i))
-                            .remote(handle.uri, i * rows_per_node, rows_per_node, barrier)
-                            for i in range(n)]
-                    _wait_all_arrived(ray, barrier, puts, f"{n} producer(s)")
-                    cpu0 = ray.get(handle.coordinator.cpu_seconds.remote())
-                    puts = ray.get(puts, timeout=PHASE_TIMEOUT)
-                    cpu1 = ray.get(handle.coordinator.cpu_seconds.remote())
-                    barrier = remote_barrier.remote(n)
-                    reads = [remote_train.options(num_cpus=0, scheduling_strategy=on(i))
-                             .remote(handle.uri, barrier) for i in range(n)]
-                    _wait_all_arrived(ray, barrier, reads, f"{n} trainer(s)")
-                    cpu1 = ray.get(handle.coordinator.cpu_seconds.remote())
-                    reads = ray.get(reads, timeout=PHASE_TIMEOUT)
-                    cpu2 = ray.get(handle.coordinator.cpu_seconds.remote())
-                finally:
-                    handle.stop()
+                puts, reads, cpu = _expstore_at(ray, cluster_up, os.path.join(tmp, f"n{n}"),
+                                                ids[:n], rows_per_node,
+                                                (remote_produce, remote_train, remote_barrier))
                 total = n * rows_per_node
                 put_wall = max(p["t1"] for p in puts) - min(p["t0"] for p in puts)
                 read_wall = max(r["t1"] for r in reads) - min(r["t0"] for r in reads)
@@ -218,15 +237,15 @@ def run(ctx: Ctx) -> None:
                            f"wide ingest, {n} node(s), aggregate")
                 ctx.record(f"read_rows_s_n{n}", read_rows_s, "rows/s",
                            f"micro-batch reads (claim 16, pipelined ack), {n} node(s), aggregate")
-                ctx.record(f"coord_cpu_us_put_n{n}", (cpu1 - cpu0) / total * 1e6, "us",
+                ctx.record(f"coord_cpu_us_put_n{n}", (cpu[1] - cpu[0]) / total * 1e6, "us",
                            f"coordinator CPU per sample put, {n} node(s)")
-                ctx.record(f"coord_cpu_us_read_n{n}", (cpu2 - cpu1) / max(1, sum(
+                ctx.record(f"coord_cpu_us_read_n{n}", (cpu[3] - cpu[2]) / max(1, sum(
                     r["rows"] for r in reads)) * 1e6, "us",
                            f"coordinator CPU per sample read, {n} node(s)")
                 claim_p50, _ = percentiles_ms([t for r in reads for t in r["took"]])
                 ctx.record(f"claim16_p50_ms_n{n}", claim_p50, "ms",
                            f"one claim of 16 with its values fetched, p50, {n} node(s)")
-                tq = transferqueue_at(ctx, ray, on, n, rows_per_node, remote_barrier)
+                tq = transferqueue_at(ctx, ray, _pinned(ids), n, rows_per_node, remote_barrier)
                 if tq is not None:
                     suffix = "" if n == 1 else f"_n{n}"
                     ctx.record(f"tq_ingest_mb_s{suffix}", tq["ingest"], "MB/s",
