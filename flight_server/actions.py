@@ -63,6 +63,14 @@ def _claim(s: EmbeddedStore, b: dict[str, Any]) -> Any:
     return wire.claim_results(_claim_one(s, b))
 
 
+def claim_of_action(s: EmbeddedStore, name: str, b: dict[str, Any]) -> Claim:
+    """The claim of a ``claim`` (without ``ack``) or ``claim_many`` action, its body checked,
+    for a caller that encodes the answer itself (a session's, naming the schemas its client
+    holds)."""
+    b = wire.check_body(name, b)
+    return _claim_one(s, b) if name == "claim" else _claims_of(s, b)
+
+
 def claim_stream_table(s: EmbeddedStore, b: dict[str, Any]) -> pa.Table:
     """A claim asked for by a ``do_get`` ticket ``{"claim": {<claim body>}}``: the claimed rows
     in the table's claim schema, the claim's id, consumer and lease expiry in the schema's
@@ -71,10 +79,13 @@ def claim_stream_table(s: EmbeddedStore, b: dict[str, Any]) -> pa.Table:
     return wire.claim_stream_table(_claim_one(s, b))
 
 
-def _claim_many(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+def _claims_of(s: EmbeddedStore, b: dict[str, Any]) -> Claim:
     body = wire.parse_claim_many_body(b)
-    return wire.claim_results(s.claim_many(body.requests, consumer=body.consumer,
-                                           lease_seconds=body.lease_seconds))
+    return s.claim_many(body.requests, consumer=body.consumer, lease_seconds=body.lease_seconds)
+
+
+def _claim_many(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    return wire.claim_results(_claims_of(s, b))
 
 
 def _ack(s: EmbeddedStore, b: dict[str, Any]) -> Any:

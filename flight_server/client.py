@@ -89,6 +89,8 @@ class RemoteStore:
         self._use_sessions = sessions
         self.claim_streams = claim_streams
         self._row_bytes: dict[str, float] = {}  # per table: bytes a row, in its last claim
+        # per table: the fingerprint and claim schema the server last sent in a claim answer
+        self._claim_schemas: dict[str, tuple[str, pa.Schema]] = {}
         self._claim_streams: bool | None = None  # whether the server serves them (None: unknown)
         self._wait_ready(connect_timeout)
 
@@ -262,7 +264,7 @@ class RemoteStore:
             claim = self._claim_streamed(request, consumer, lease_seconds, ack)
         elif ack is not None:
             body = wire.claim_body(request, consumer, lease_seconds, ack)
-            claim = wire.claim_of_results(self._fast("claim", body).result(self._timeout))
+            claim = self._claim_on_session("claim", body, [table])
             if not claim.claim_id:
                 claim = self._empty_claim(claim, [request])
         else:
@@ -305,8 +307,24 @@ class RemoteStore:
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:
         body = wire.claim_many_body(requests, consumer, lease_seconds)
-        claim = wire.claim_of_results(self._fast("claim_many", body).result(self._timeout))
+        claim = self._claim_on_session("claim_many", body, [r.table for r in requests])
         return claim if claim.claim_id else self._empty_claim(claim, requests)
+
+    def _claim_on_session(self, action: str, body: dict[str, Any], tables: list[str]) -> Claim:
+        """Send a claim and decode its answer. On a session the request names the claim schemas
+        this client holds (learned from earlier answers), and the server sends those tables'
+        rows as a record batch without the schema (docs/protocol.md)."""
+        channel = self._channel()
+        if channel is None:
+            return wire.claim_of_results(self._action(action, body))
+        held = self._claim_schemas
+        known = {t: held[t] for t in tables if t in held}
+        answer = channel.call(action, body, schemas={t: fp for t, (fp, _) in known.items()})
+        learned: dict[str, tuple[str, pa.Schema]] = {}
+        claim = wire.claim_of_results(answer.result(self._timeout),
+                                      {t: schema for t, (_, schema) in known.items()}, learned)
+        held.update(learned)
+        return claim
 
     def _empty_claim(self, claim: Claim, requests: list[ClaimRequest]) -> Claim:
         """Nothing was claimed: the answer carries no stream, so the empty tables come from the

@@ -43,7 +43,7 @@ from store.embedded import EmbeddedStore
 from store.errors import InvalidArgument
 
 from . import wire
-from .actions import ACTIONS, claim_acking, run_action
+from .actions import ACTIONS, claim_acking, claim_of_action, run_action
 from .auth import Principal
 from .errors import as_store_error
 from .metrics import Metrics
@@ -192,7 +192,7 @@ class ActionSession:
             name, body, parts = request.action, request.body, request.parts
             if name in DURABLE_ACTIONS or (name == "claim" and "ack" in body):
                 started = time.perf_counter()
-                future = self._start_write(name, body, parts)
+                future = self._start_write(name, body, parts, request.schemas)
                 self._slots.acquire()
                 with self._answered:
                     self._unanswered += 1
@@ -201,14 +201,19 @@ class ActionSession:
             spec = ACTIONS[name]
             self._principal.require(spec.role, name)
             with self._metrics.timed(name):
-                results = run_action(spec, self._store, body)
+                if request.schemas is None:
+                    results = run_action(spec, self._store, body)
+                else:
+                    results = wire.claim_results(claim_of_action(self._store, name, body),
+                                                 request.schemas)
             self._write(answer(request_id, results))
         except Exception as e:  # noqa: BLE001 - every request gets an answer, errors included
             self._write(error_frame(request_id, e))
 
-    def _start_write(self, name: str, body: dict[str, Any],
-                     parts: Sequence[bytes]) -> Future:
-        """Queue a put, ack or nack; its Future resolves once the write is durable."""
+    def _start_write(self, name: str, body: dict[str, Any], parts: Sequence[bytes],
+                     schemas: dict[str, str] | None = None) -> Future:
+        """Queue a put, ack or nack; its Future resolves once the write is durable.
+        ``schemas``: a claim's, the claim schemas its client holds."""
         if name == "put":
             self._principal.require("writer", name)
             table = wire.check_body(name, body)["table"]
@@ -220,7 +225,7 @@ class ActionSession:
             # the answer is built now, while the ack commits, and sent once it is durable
             claim, acked = claim_acking(self._store, body)
             assert acked is not None
-            return _once_done(acked, wire.claim_results(claim))
+            return _once_done(acked, wire.claim_results(claim, schemas))
         claim_id = wire.check_body(name, body)["claim_id"]
         settle = EmbeddedStore.ack_async if name == "ack" else EmbeddedStore.nack_async
         return settle(self._store, claim_id)

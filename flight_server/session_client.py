@@ -79,17 +79,18 @@ class SessionChannel:
     def failed(self) -> bool:
         return self._error is not None
 
-    def call(self, action: str, body: dict[str, Any], parts: Sequence[bytes] = ()) -> Answer:
-        """Send one request (with ``parts`` after its header: a put's rows); the Future
-        resolves to the answer's parts (bytes) or raises the store error the server answered
-        with."""
+    def call(self, action: str, body: dict[str, Any], parts: Sequence[bytes] = (),
+             schemas: dict[str, str] | None = None) -> Answer:
+        """Send one request (with ``parts`` after its header: a put's rows; a claim's with the
+        ``schemas`` its client holds); the Future resolves to the answer's parts (bytes) or
+        raises the store error the server answered with."""
         future = Answer()
         with self._lock:
             if self._error is not None:
                 raise self._error
             request_id = next(self._ids)
             self._pending[request_id] = future
-            message = SessionRequest(request_id, action, body, parts).encode()
+            message = SessionRequest(request_id, action, body, parts, schemas).encode()
             try:
                 self._writer.write_metadata(message)
             except (flight.FlightError, pa.ArrowException, OSError) as e:

@@ -24,7 +24,8 @@ from .actions import (ACTION_FIELDS, CLAIM_ID_KEY, CONSUMER_KEY, EXPIRES_AT_KEY,
                       ClaimHeader, action, check_body, check_fields, claim_body, claim_request,
                       claim_many_body, claim_of_results, claim_of_stream, claim_results,
                       claim_stream_table, encode_body, flag, json_result, parse_body,
-                      parse_claim_body, parse_claim_many_body, results_bytes, table_def)
+                      parse_claim_body, parse_claim_many_body, results_bytes, schema_fingerprint,
+                      table_def)
 from .codec import decode_answer, encode, encode_answer
 from .errors import code_of, error_doc, error_of_doc, flight_error, from_flight
 from .puts import (chunks_of_answer, node_put_answer, parse_put_answer, parse_put_command,
@@ -49,6 +50,6 @@ __all__ = [
     "json_result", "node_put_answer", "parse_body", "parse_claim_body",
     "parse_claim_many_body", "parse_fetch_ticket", "parse_put_answer", "parse_put_command",
     "parse_subscribe", "parse_ticket", "put_answer", "put_command", "put_command_of",
-    "put_error_answer", "results_bytes", "split_parts", "sql_ticket", "table_def",
-    "table_ticket", "ticket_document",
+    "put_error_answer", "results_bytes", "schema_fingerprint", "split_parts", "sql_ticket",
+    "table_def", "table_ticket", "ticket_document",
 ]

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Sequence
 
 import pyarrow as pa
 import pyarrow.flight as flight
+import xxhash
 
 from store.claims import Claim, ClaimRequest
 from store.errors import ExpstoreError, InvalidArgument
@@ -214,20 +215,26 @@ def parse_claim_many_body(body: dict[str, Any]) -> ClaimBody:
 
 class ClaimHeader(NamedTuple):
     """The first result of a claim: its id (``""``: nothing claimed), consumer, lease end
-    (seconds since the epoch) and rows per table, in the order of the streams that follow; a
-    coordinator adds ``data_nodes``, the endpoints of the nodes holding the values."""
+    (seconds since the epoch) and rows per table, in the order of the parts that follow; a
+    coordinator adds ``data_nodes``, the endpoints of the nodes holding the values. Answers to a
+    session request that names the claim schemas it knows (:func:`claim_results`) add
+    ``schemas``, the fingerprint of each table's schema sent as a stream, and ``batches``, the
+    tables whose part is a lone record batch in the schema the request named."""
 
     claim_id: str
     consumer: str
     expires_at: float
     tables: dict[str, int]
     data_nodes: list[dict[str, Any]] | None = None
+    schemas: dict[str, str] | None = None
+    batches: list[str] | None = None
 
     def encode(self) -> bytes:
         doc: dict[str, Any] = {"claim_id": self.claim_id, "consumer": self.consumer,
                                "expires_at": self.expires_at, "tables": self.tables}
-        if self.data_nodes is not None:
-            doc["data_nodes"] = self.data_nodes
+        for key in ("data_nodes", "schemas", "batches"):
+            if getattr(self, key) is not None:
+                doc[key] = getattr(self, key)
         return encode(doc)
 
     @classmethod
@@ -239,29 +246,93 @@ class ClaimHeader(NamedTuple):
         except KeyError as e:
             raise ExpstoreError(f"malformed claim header from the server: it lacks {e}") \
                 from None
+        schemas, batches = doc.get("schemas"), doc.get("batches")
         if not (isinstance(claim_id, str) and isinstance(consumer, str)
-                and isinstance(expires_at, (int, float)) and isinstance(tables, dict)):
+                and isinstance(expires_at, (int, float)) and isinstance(tables, dict)
+                and (schemas is None or isinstance(schemas, dict))
+                and (batches is None or isinstance(batches, list))):
             raise ExpstoreError(f"malformed claim header from the server: {doc!r}")
-        return cls(claim_id, consumer, expires_at, tables, doc.get("data_nodes"))
+        return cls(claim_id, consumer, expires_at, tables, doc.get("data_nodes"), schemas,
+                   batches)
 
 
-def claim_results(claim: Claim) -> list[bytes]:
-    """A claim's answer: the header, then one Arrow IPC stream per table. An empty claim goes
-    without streams: the client knows the claim schemas."""
+def schema_fingerprint(table: str, schema: pa.Schema) -> str:
+    """The name a server gives table ``table``'s claim schema ``schema`` in claim answers:
+    opaque to clients, which only compare it (a hash of the schema's IPC message)."""
+    seen = _FINGERPRINTS.get(table)
+    if seen is not None and seen[0].equals(schema, check_metadata=True):
+        return seen[1]  # (a hash of the schema per answer cost more than the rest of it)
+    fingerprint = xxhash.xxh3_64_hexdigest(schema.serialize().to_pybytes())
+    if len(_FINGERPRINTS) >= 4096:  # tables come and go: keep it bounded
+        _FINGERPRINTS.clear()
+    _FINGERPRINTS[table] = (schema, fingerprint)
+    return fingerprint
+
+
+#: The last claim schema of each table and its fingerprint.
+_FINGERPRINTS: dict[str, tuple[pa.Schema, str]] = {}
+
+
+def claim_results(claim: Claim, known: dict[str, str] | None = None) -> list[bytes]:
+    """A claim's answer: the header, then one part per table. An empty claim goes without
+    parts: the client knows the claim schemas.
+
+    Each part is an Arrow IPC stream, unless ``known`` (a session request's ``schemas``: table
+    → the fingerprint of the claim schema the client holds) names the table's schema: then it
+    is the one record-batch message, without the schema. Why: a small claim's answer is mostly
+    read and written for its schema, which a client claiming micro-batches already has
+    (A/B in BENCHMARKS.md, "Session claim answers without the schema")."""
     tables = claim.tables if claim.claim_id else {}
-    header = ClaimHeader(claim.claim_id, claim.consumer, claim.expires_at,
-                         {name: t.num_rows for name, t in tables.items()})
-    return [header.encode(), *(ipc_stream(t) for t in tables.values())]
+    rows = {name: t.num_rows for name, t in tables.items()}
+    if known is None:
+        header = ClaimHeader(claim.claim_id, claim.consumer, claim.expires_at, rows)
+        return [header.encode(), *(ipc_stream(t) for t in tables.values())]
+    parts: list[bytes] = []
+    schemas: dict[str, str] = {}
+    batches: list[str] = []
+    for name, table in tables.items():
+        fingerprint = schema_fingerprint(name, table.schema)
+        one = table.to_batches()
+        if known.get(name) == fingerprint and len(one) == 1:
+            parts.append(one[0].serialize().to_pybytes())
+            batches.append(name)
+        else:
+            parts.append(ipc_stream(table))
+            schemas[name] = fingerprint
+    header = ClaimHeader(claim.claim_id, claim.consumer, claim.expires_at, rows,
+                         schemas=schemas, batches=batches)
+    return [header.encode(), *parts]
 
 
-def claim_of_results(results: Sequence[bytes]) -> Claim:
-    """The :class:`Claim` of a claim's answer."""
+def claim_of_results(results: Sequence[bytes], known: dict[str, pa.Schema] | None = None,
+                     learned: dict[str, tuple[str, pa.Schema]] | None = None) -> Claim:
+    """The :class:`Claim` of a claim's answer.
+
+    Args:
+        known: the claim schemas, by table, whose fingerprints the request named: a part the
+            header lists in ``batches`` is one record batch in that schema.
+        learned: filled with ``table: (fingerprint, schema)`` of each stream the header gives
+            a fingerprint for (``schemas``), for the next requests to name.
+    """
     header = ClaimHeader.decode(results[0]) if results else None
     if header is None or len(results) - 1 != len(header.tables):
         raise ExpstoreError(f"malformed claim answer from the server: {len(results)} parts for "
                             f"{len(header.tables) if header else 0} tables and a header")
-    tables = {name: pa.ipc.open_stream(pa.py_buffer(body)).read_all()
-              for name, body in zip(header.tables, results[1:])}
+    batches = header.batches or ()
+    fingerprints = header.schemas or {}
+    tables: dict[str, pa.Table] = {}
+    for name, body in zip(header.tables, results[1:]):
+        if name in batches:
+            schema = (known or {}).get(name)
+            if schema is None:
+                raise ExpstoreError(f"malformed claim answer from the server: table {name!r} "
+                                    "came as a record batch without a schema the request named")
+            batch = pa.ipc.read_record_batch(pa.py_buffer(body), schema)
+            tables[name] = pa.Table.from_batches([batch])
+            continue
+        tables[name] = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
+        if learned is not None and isinstance(fingerprints.get(name), str):
+            learned[name] = (fingerprints[name], tables[name].schema)
     return Claim(header.claim_id, header.consumer, header.expires_at, tables)
 
 
@@ -310,6 +381,6 @@ def table_def(description: dict[str, Any]) -> TableDef:
 __all__ = ["ACTION_FIELDS", "CLAIM_ID_KEY", "CONSUMER_KEY", "EXPIRES_AT_KEY", "ClaimBody",
            "ClaimHeader", "action", "check_body", "check_fields", "claim_body",
            "claim_many_body", "claim_of_results", "claim_of_stream", "claim_request_doc",
-           "claim_results", "claim_stream_table", "encode_body", "flag",
+           "claim_results", "claim_stream_table", "encode_body", "flag", "schema_fingerprint",
            "json_result", "parse_body", "parse_claim_body", "parse_claim_many_body",
            "results_bytes", "table_def"]

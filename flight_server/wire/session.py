@@ -2,14 +2,15 @@
 
 Every message, both ways, is metadata-only: a JSON header on one line, a newline, then the parts
 its ``sizes`` lists, back to back. A request's header is ``{"id", "action", "body"}`` (a put's
-rows follow as one part, an Arrow IPC stream); an answer's is ``{"id"}`` with the parts the
-``do_action`` of that name returns, or ``{"id", "error": {"code", "message"}}``; a server that
-shuts down sends ``{"id": null, "closing": true}``.
+rows follow as one part, an Arrow IPC stream; a claim's may add ``"schemas"``, the claim schemas
+the client holds); an answer's is ``{"id"}`` with the parts the ``do_action`` of that name
+returns, or ``{"id", "error": {"code", "message"}}``; a server that shuts down sends
+``{"id": null, "closing": true}``.
 
 >>> SessionRequest(7, "ack", {"claim_id": "c1"}).encode().to_pybytes()
 b'{"id": 7, "action": "ack", "body": {"claim_id": "c1"}}\\n'
 >>> SessionRequest.decode(b'{"id": 7, "action": "ack", "body": {"claim_id": "c1"}}\\n')
-SessionRequest(id=7, action='ack', body={'claim_id': 'c1'}, parts=())
+SessionRequest(id=7, action='ack', body={'claim_id': 'c1'}, parts=(), schemas=None)
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from store.errors import InvalidArgument
 
 from .codec import JSON_ERRORS, answer_object, encode_answer
 from .errors import error_doc, error_of_doc
+
+#: The session actions whose request may name the claim schemas the client holds.
+CLAIM_ACTIONS = ("claim", "claim_many")
 
 #: The command of ``FlightDescriptor.for_command`` that opens a session.
 SESSION_COMMAND = b'{"session": {}}'
@@ -60,15 +64,22 @@ def is_session(command: bytes) -> bool:
 
 
 class SessionRequest(NamedTuple):
-    """One request on a session. ``action`` and ``body`` are as sent until :meth:`check`."""
+    """One request on a session. ``action``, ``body`` and ``schemas`` are as sent until
+    :meth:`check`. ``schemas`` (claims only; None: not sent): the claim schemas the client
+    holds, table → fingerprint, and that it reads answers naming them (see
+    :func:`flight_server.wire.actions.claim_results`)."""
 
     id: Any
     action: Any
     body: Any
     parts: Sequence[bytes] = ()
+    schemas: Any = None
 
     def encode(self) -> pa.Buffer:
-        return frame({"id": self.id, "action": self.action, "body": self.body}, self.parts)
+        header = {"id": self.id, "action": self.action, "body": self.body}
+        if self.schemas is not None:
+            header["schemas"] = self.schemas
+        return frame(header, self.parts)
 
     @classmethod
     def decode(cls, raw: bytes) -> "SessionRequest":
@@ -85,7 +96,8 @@ class SessionRequest(NamedTuple):
         if not isinstance(request, dict):
             raise InvalidArgument("a session request must be a JSON object {id, action, body}")
         parts = split_parts(request.get("sizes", []), rest)
-        return cls(request.get("id"), request.get("action"), request.get("body", {}), parts)
+        return cls(request.get("id"), request.get("action"), request.get("body", {}), parts,
+                   request.get("schemas"))
 
     def check(self, served: Sequence[str]) -> "SessionRequest":
         """The request itself if its action is one of ``served`` with a JSON object as its
@@ -100,6 +112,14 @@ class SessionRequest(NamedTuple):
         if self.action != "put" and self.parts:
             raise InvalidArgument(f"a {self.action!r} request carries no parts; got "
                                       f"{len(self.parts)}")
+        if self.schemas is not None:
+            if self.action not in CLAIM_ACTIONS:
+                raise InvalidArgument(f"only claim requests ({list(CLAIM_ACTIONS)}) name "
+                                      f"schemas; a {self.action!r} request does not")
+            if not isinstance(self.schemas, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in self.schemas.items()):
+                raise InvalidArgument(f"a request's schemas must be a JSON object of table name "
+                                      f"to schema fingerprint (strings), got {self.schemas!r}")
         return self
 
 

@@ -26,8 +26,8 @@ class RawSession:
         self.writer, self.reader = client.do_exchange(descriptor, bearer(token))
         self.writer.begin(pa.schema([]))
 
-    def send(self, request_id, action, body) -> None:
-        doc = {"id": request_id, "action": action, "body": body}
+    def send(self, request_id, action, body, **more) -> None:
+        doc = {"id": request_id, "action": action, "body": body, **more}
         self.writer.write_metadata(pa.py_buffer(json.dumps(doc).encode()))
 
     def answer(self) -> tuple[dict, list[bytes]]:
@@ -105,6 +105,86 @@ def test_bad_requests_get_typed_errors_and_the_session_goes_on(server, request_d
     header, parts = session.answer()
     assert header["id"] == 9 and json.loads(parts[0])["tables"] == {"solver": 2}
     session.close()
+
+
+def test_a_claim_naming_its_schema_gets_the_rows_without_it(server):
+    client = flight.connect(server.location)
+    session = RawSession(client)
+    # Without "schemas" (a client from before them): streams, and the header as it was.
+    session.send(1, "claim", {"table": "solver", "limit": 2})
+    header, parts = session.answer()
+    claim = json.loads(parts[0])
+    assert "schemas" not in claim and "batches" not in claim
+    assert pa.ipc.open_stream(pa.py_buffer(parts[1])).read_all().num_rows == 2
+    # "schemas": {} asks for the fingerprints: a stream, and its schema's fingerprint.
+    session.send(2, "claim", {"table": "solver", "limit": 2}, schemas={})
+    header, parts = session.answer()
+    claim = json.loads(parts[0])
+    assert claim["batches"] == [] and set(claim["schemas"]) == {"solver"}
+    schema = pa.ipc.open_stream(pa.py_buffer(parts[1])).read_all().schema
+    fingerprint = claim["schemas"]["solver"]
+    # Naming it: the rows come as one record-batch message, read with that schema.
+    session.send(3, "claim_many", {"requests": [{"table": "solver", "limit": 3}]},
+                 schemas={"solver": fingerprint})
+    header, parts = session.answer()
+    claim = json.loads(parts[0])
+    assert claim["batches"] == ["solver"] and claim["schemas"] == {}
+    rows = pa.ipc.read_record_batch(pa.py_buffer(parts[1]), schema)
+    assert rows.schema.equals(schema, check_metadata=True)
+    assert rows.column(0).to_pylist() == ["q1_0_0", "q1_0_1", "q1_0_2"]
+    # A claim carrying an ack too (answered once the ack is durable).
+    session.send(4, "claim", {"table": "solver", "limit": 2, "ack": claim["claim_id"]},
+                 schemas={"solver": fingerprint})
+    header, parts = session.answer()
+    assert header["id"] == 4 and json.loads(parts[0])["batches"] == ["solver"]
+    assert pa.ipc.read_record_batch(pa.py_buffer(parts[1]), schema).num_rows == 2
+    assert server.store.stats("solver")["solver"]["consumed"] == 3
+    # A fingerprint the server does not give this schema (a stale one): a stream again.
+    session.send(5, "claim", {"table": "solver", "limit": 1}, schemas={"solver": "0123abcd"})
+    header, parts = session.answer()
+    claim = json.loads(parts[0])
+    assert claim["batches"] == [] and claim["schemas"] == {"solver": fingerprint}
+    assert pa.ipc.open_stream(pa.py_buffer(parts[1])).read_all().num_rows == 1
+    session.close()
+
+
+@pytest.mark.parametrize("more, words", [
+    ({"action": "claim", "body": {"table": "solver", "limit": 1}, "schemas": ["solver"]},
+     "schemas must be a JSON object of table name to schema fingerprint"),
+    ({"action": "claim", "body": {"table": "solver", "limit": 1}, "schemas": {"solver": 7}},
+     "schemas must be a JSON object of table name to schema fingerprint"),
+    ({"action": "ack", "body": {"claim_id": "c1"}, "schemas": {}},
+     "only claim requests"),
+])
+def test_bad_schemas_are_refused_by_name(server, more, words):
+    session = RawSession(flight.connect(server.location))
+    session.writer.write_metadata(pa.py_buffer(json.dumps({"id": 1, **more}).encode()))
+    header, parts = session.answer()
+    assert header["error"]["code"] == "invalid_argument"
+    assert words in header["error"]["message"] and parts == []
+    assert server.store.stats("solver")["solver"]["processing"] == 0
+    session.close()
+
+
+def test_the_client_reads_claims_without_schemas_and_follows_a_new_one(server):
+    s = store.connect(server.location)
+    first = s.claim("solver", 2, consumer="t")
+    second = s.claim("solver", 2, consumer="t", ack=first.claim_id)
+    third = s.claim_many([store.ClaimRequest("solver", 2)], consumer="t")
+    assert s._claim_schemas["solver"][1].equals(first.data.schema)  # noqa: SLF001 - the path
+    for claim in (second, third):
+        assert claim.data.schema.equals(first.data.schema, check_metadata=True)
+    assert [c.data.column("sample_id").to_pylist() for c in (first, second, third)] == [
+        ["q0_0_0", "q0_0_1"], ["q0_0_2", "q0_0_3"], ["q1_0_0", "q1_0_1"]]
+    # The table made again with other columns: the fingerprint the client names is stale, the
+    # server sends the new schema, and the client reads it.
+    server.store.drop_table("solver")
+    server.store.create_table("solver", {"score": "int64"})
+    server.store.put("solver", {"sample_id": ["n0_0_0"], "score": [5]})
+    fourth = s.claim("solver", 2, consumer="t")
+    assert fourth.data.column("score").to_pylist() == [5]
+    assert "reward" not in fourth.data.column_names
+    s.close()
 
 
 def test_roles_are_checked_per_request(tmp_path):

@@ -163,9 +163,10 @@ def test_a_fetch_ticket_round_trips(columns):
 @settings(max_examples=60, deadline=None)
 @given(request_id=st.integers(0, 2**40) | st.none(), action=names,
        body=st.dictionaries(names, json_values, max_size=4),
-       parts=st.lists(st.binary(max_size=30), max_size=3).map(tuple))
-def test_a_session_request_round_trips(request_id, action, body, parts):
-    request = wire.SessionRequest(request_id, action, body, parts)
+       parts=st.lists(st.binary(max_size=30), max_size=3).map(tuple),
+       schemas=st.none() | st.dictionaries(names, names, max_size=3))
+def test_a_session_request_round_trips(request_id, action, body, parts, schemas):
+    request = wire.SessionRequest(request_id, action, body, parts, schemas)
     assert wire.SessionRequest.decode(request.encode().to_pybytes()) == request
 
 
@@ -216,6 +217,30 @@ def test_a_claim_answer_round_trips():
     with_nodes = wire.ClaimHeader(header.claim_id, header.consumer, header.expires_at,
                                   header.tables, nodes)
     assert wire.ClaimHeader.decode(with_nodes.encode()) == with_nodes
+
+
+def test_a_claim_answer_naming_known_schemas_round_trips():
+    claim = Claim("c1", "trainer-0", 5.0, {"solver": _table(3), "verifier": _table(1)})
+    learned: dict = {}
+    first = wire.claim_of_results(wire.claim_results(claim, {}), {}, learned)
+    assert set(learned) == {"solver", "verifier"} and first.tables["solver"].num_rows == 3
+    fingerprints = {t: fp for t, (fp, _) in learned.items()}
+    assert fingerprints["solver"] == wire.schema_fingerprint("solver", _table(2).schema)
+    # solver named: its rows come without the schema; verifier's stale name: a stream again
+    results = wire.claim_results(claim, {"solver": fingerprints["solver"], "verifier": "stale"})
+    header = wire.ClaimHeader.decode(results[0])
+    assert header.batches == ["solver"] and header.schemas == {"verifier": fingerprints["verifier"]}
+    again: dict = {}
+    back = wire.claim_of_results(results, {"solver": learned["solver"][1]}, again)
+    assert {k: v.to_pylist() for k, v in back.tables.items()} == \
+        {k: v.to_pylist() for k, v in claim.tables.items()}
+    assert set(again) == {"verifier"}
+    # a batch the client cannot read: no schema of its own for it
+    with pytest.raises(E.ExpstoreError, match="without a schema the request named"):
+        wire.claim_of_results(results)
+    # an answer of a server from before schemas (streams, no fingerprints) still reads
+    old = wire.claim_of_results(wire.claim_results(claim), {"solver": _table(0).schema}, again)
+    assert old.tables["solver"].num_rows == 3
 
 
 def test_a_claim_stream_round_trips():
