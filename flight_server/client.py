@@ -59,8 +59,10 @@ class RemoteStore:
             each (what a server without sessions, from before they existed, needs).
         claim_streams: how ``claim`` answers travel: ``"auto"`` (default) as a ``do_get``
             record-batch stream when the table's rows in its last claim make the answer
-            likely to hold at least STREAM_CLAIM_BYTES, else on the session; ``"always"`` or
-            ``"never"`` as a stream. ``claim_many`` answers always come on the session.
+            likely to hold at least STREAM_CLAIM_BYTES, or when nothing is known of its rows
+            yet (the table's first claim from this client), else on the session;
+            ``"always"`` or ``"never"`` as a stream. ``claim_many`` answers always come on the
+            session.
     """
 
     def __init__(self, uri: str, *, token: str | None = None,
@@ -279,13 +281,18 @@ class RemoteStore:
         expected to be large, from the size of the table's rows in its last claim. A stream
         sends the Arrow buffers as they are, where a session answer copies them into and out
         of one gRPC message; but it is a call of its own, dearer than a message on the open
-        session when the answer is small (A/B in BENCHMARKS.md, issue 30)."""
+        session when the answer is small (A/B in BENCHMARKS.md, issue 30).
+
+        A table's first claim, whose size nothing tells yet, comes as a stream: for a small
+        answer the call costs little more than the session's message, once; a large one (a
+        table of wide by-reference rows, often read by a few large claims) is spared the copies
+        through one message, which cost it several times more."""
         if self.claim_streams == "never" or self._claim_streams is False:
             return False
         if self.claim_streams == "always":
             return True
         row_bytes = self._row_bytes.get(table)
-        return row_bytes is not None and row_bytes * limit >= STREAM_CLAIM_BYTES
+        return row_bytes is None or row_bytes * limit >= STREAM_CLAIM_BYTES
 
     def _claim_streamed(self, request: ClaimRequest, consumer: str | None,
                         lease_seconds: float | None, ack: str | None = None) -> Claim:

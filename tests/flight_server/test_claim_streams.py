@@ -183,21 +183,24 @@ def test_stream_claims_need_the_writer_role(tmp_path):
             assert data.num_rows == 1 and data.schema.metadata[b"expstore.claim_id"]
 
 
-def test_auto_streams_only_claims_whose_answer_is_large(server):
+def test_auto_streams_a_tables_first_claim_then_only_claims_whose_answer_is_large(server):
     with RemoteStore(server.location) as s:
         s.create_table("small", {"reward": "float64", "tag": "string"})
         s.put("small", {"sample_id": [f"q{i}_0_0" for i in range(64)],
                         "reward": [1.0] * 64, "tag": ["a"] * 64})
         wide_width = STREAM_CLAIM_BYTES // 4 // 4   # float32 values: 4 rows make the bound
         s.put("exp", _rows(12, width=wide_width))
-        assert not s._streams_claims("exp", 16)      # nothing known of its rows yet
+        # nothing known of their rows yet: a first claim comes as a stream, whatever its size
+        assert s._streams_claims("exp", 16) and s._streams_claims("small", 1)
+        first = s.claim("small", 16)
+        assert first.data.num_rows == 16 and s._claim_streams is True   # it came as a stream
+        assert not s._streams_claims("small", 16)
+        assert s._streams_claims("small", 10**6)
+        assert s.claim("small", 16).data.num_rows == 16                  # on the session
         s.claim("exp", 1)
         assert s._streams_claims("exp", 4) and not s._streams_claims("exp", 2)
         streamed = s.claim("exp", 4)
-        assert streamed.data.num_rows == 4 and s._claim_streams is True
-        s.claim("small", 16)
-        assert not s._streams_claims("small", 16)
-        assert s._streams_claims("small", 10**6)
+        assert streamed.data.num_rows == 4
 
 
 class _ServerWithoutClaimTickets(ExpstoreFlightServer):

@@ -212,10 +212,10 @@ def test_roles_are_checked_per_request(tmp_path):
 
 def test_remote_store_uses_a_session_and_ack_async_is_durable(server, tmp_path):
     s = store.connect(server.location)
-    claim = s.claim("solver", 4, consumer="t")
-    assert s._session is not None and not s._session.failed  # noqa: SLF001 - the path in use
+    claim = s.claim("solver", 4, consumer="t")  # (a table's first claim comes as a stream)
     future = s.ack_async(claim.claim_id)
     nxt = s.claim("solver", 4, consumer="t")  # sent while the ack may still be committing
+    assert s._session is not None and not s._session.failed  # noqa: SLF001 - the path in use
     assert future.result(30)["acked"] == 4
     assert nxt.data.num_rows == 4 and set(nxt.data.column("sample_id").to_pylist()).isdisjoint(
         claim.data.column("sample_id").to_pylist())
