@@ -193,10 +193,18 @@ class ClaimEngine:
         chunks by row number where they are held in memory (:meth:`BlobStore.put_columns`).
 
         Why not the whole cached table cut at once: its keys and inline placeholders would be
-        cut too, for nothing, where the put's chunks are held."""
-        plain = live.claim_plain
+        cut too, for nothing, where the put's chunks are held. A by-reference column whose
+        values the put holds all inline (no key: a narrow table's short strings) is cut with
+        the plain ones: cutting its keys to find that out cost more than its values."""
+        plain, refs = live.claim_plain, live.claim_refs
+        if refs:
+            rows_put = table.num_rows
+            inline = [value_at for value_at, key_at in refs
+                      if table.column(key_at).null_count == rows_put]
+            if inline:
+                plain = plain + inline
+                refs = [ref for ref in refs if ref[0] not in inline]
         columns = dict(zip(plain, rows.columns(table.select(plain))))
-        refs = live.claim_refs
         schema = table.schema
         held = self._blobs.put_columns(table, [key_at for _, key_at in refs], rows,
                                        [schema.field(value_at).type for value_at, _ in refs])
