@@ -74,7 +74,10 @@ class StoreIndex:
             "rows_acked": 0, "nacks": 0, "leases_expired": 0, "redeliveries": 0,
             "dead_letters": 0, "stale_rows": 0, "version_bumps": 0}
         self._expiry: list[tuple[float, str]] = []
-        self._row_updates: dict[str, dict[int, LeaseUpdate]] = {}
+        # Per table and row id: a LeaseUpdate, or for a row a claim leased, its Lease (built into
+        # its LeaseUpdate only when taken: a claim acked before its flush is due, the micro-batch
+        # loop's, never needs one; see _updates).
+        self._row_updates: dict[str, dict[int, LeaseUpdate | Lease]] = {}
         self._recent_acked: OrderedDict[str, int] = OrderedDict()
         self._recent_expired: OrderedDict[str, str] = OrderedDict()
         # claims being ended by dead_letter(): their rows settle as dead, not ready
@@ -173,17 +176,14 @@ class StoreIndex:
         for the writer."""
         lease = Lease(uuid.uuid4().hex, owner, time.time() + seconds, [])
         claim_id = lease.claim_id
-        expires = dt.datetime.fromtimestamp(lease.expires_at, dt.timezone.utc)
         redeliveries = 0
         for live, rows in picks:
             live.lease_rows(rows, lease)
             lease.rows.extend([(live, row) for row in rows])
             pending = self._row_updates.setdefault(live.tdef.name, {})
             for row in rows:
-                deliveries = row.deliveries
-                pending[row.row_id] = LeaseUpdate(row.row_id, True, claim_id, owner, expires,
-                                                  deliveries, False, False)
-                if deliveries > 1:
+                pending[row.row_id] = lease
+                if row.deliveries > 1:
                     redeliveries += 1
         self.claims[claim_id] = lease
         heapq.heappush(self._expiry, (lease.expires_at, claim_id))
@@ -320,7 +320,7 @@ class StoreIndex:
     def take_row_updates(self) -> dict[str, list[LeaseUpdate]]:
         """Take the bookkeeping waiting to be written, by table (the writer, once due)."""
         with self.lock:
-            updates = {t: list(rows.values()) for t, rows in self._row_updates.items() if rows}
+            updates = {t: _updates(t, rows) for t, rows in self._row_updates.items() if rows}
             self._row_updates = {}
         return updates
 
@@ -342,13 +342,14 @@ class StoreIndex:
             if pending:
                 for row, _ in rows:
                     entry = pending.get(row.row_id)
-                    if entry is not None and entry.lease_id == lease.claim_id:
+                    if entry is lease or (isinstance(entry, LeaseUpdate)
+                                          and entry.lease_id == lease.claim_id):
                         del pending[row.row_id]
 
     def unwritten_row_updates(self, table: str) -> list[LeaseUpdate]:
         """The bookkeeping of ``table`` not written yet (lock held): expired leases' stale and
         dead rows left memory before their flags reach DuckDB."""
-        return list(self._row_updates.get(table, {}).values())
+        return _updates(table, self._row_updates.get(table, {}))
 
     # -- waiting -----------------------------------------------------------------------------
     def notify(self) -> None:
@@ -383,6 +384,25 @@ def _ended(how: str, plan: SettlePlan) -> str:
         fates.append(f"{outcomes['stale']} stale: older than the staleness bound, never "
                      "delivered again")
     return f"{how}; of its rows, {', '.join(fates)}" if fates else how
+
+
+def _updates(table: str, pending: dict[int, LeaseUpdate | Lease]) -> list[LeaseUpdate]:
+    """The bookkeeping entries of ``table``'s pending rows, a claim's leases built into their
+    LeaseUpdates (lock held). A row's delivery count is the one its lease gave it: anything
+    that changes it (a release, another lease) replaces the row's pending entry."""
+    out: list[LeaseUpdate] = []
+    leased: dict[int, tuple[dict[int, Row], dt.datetime]] = {}  # by id(lease)
+    for row_id, entry in pending.items():
+        if isinstance(entry, Lease):
+            known = leased.get(id(entry))
+            if known is None:
+                known = leased[id(entry)] = (
+                    {row.row_id: row for live, row in entry.rows if live.tdef.name == table},
+                    dt.datetime.fromtimestamp(entry.expires_at, dt.timezone.utc))
+            entry = LeaseUpdate(row_id, True, entry.claim_id, entry.owner, known[1],
+                                known[0][row_id].deliveries, False, False)
+        out.append(entry)
+    return out
 
 
 def _remember(d: OrderedDict, key: str, value: Any, limit: int) -> None:

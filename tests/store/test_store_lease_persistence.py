@@ -52,3 +52,32 @@ def test_a_restart_voids_every_lease_and_a_late_ack_says_so(db_path, wait_until)
         assert s.stats("agent")["agent"]["consumed"] == 2
     finally:
         s.close()
+
+
+def test_a_claims_lease_bookkeeping_reaches_sql_with_its_claim(db_path, wait_until):
+    """The bookkeeping a claim leaves for the writer (built when its flush is due) names the
+    claim, its consumer, its lease's end and each row's delivery count, table by table."""
+    s = store.connect(db_path, lease_flush_delay=0.01)
+    try:
+        for name in ("solver", "verifier"):
+            s.create_table(name, {"reward": "float64"})
+            s.put(name, {"sample_id": ["q0_0_0", "q1_0_0"], "reward": [1.0, 2.0]})
+        s.nack(s.claim("solver", 1, consumer="first").claim_id)  # q0 delivered once before
+        claim = s.claim_many([store.ClaimRequest("solver", 2), store.ClaimRequest("verifier", 1)],
+                             consumer="trainer-7", lease_seconds=3600)
+        sql = ("SELECT sample_id, lease_id, lease_owner, delivery_count, "
+               "epoch(lease_expires_at) AS expires FROM {} WHERE is_processing ORDER BY sample_id")
+        wait_until(lambda: s.query(sql.format("verifier")).num_rows == 1,
+                   message="the claim's bookkeeping flushed")
+        rows = {t: s.query(sql.format(t)).to_pylist() for t in ("solver", "verifier")}
+        assert [(r["sample_id"], r["delivery_count"]) for r in rows["solver"]] == \
+            [("q0_0_0", 2), ("q1_0_0", 1)]
+        assert [r["sample_id"] for r in rows["verifier"]] == ["q0_0_0"]
+        for r in rows["solver"] + rows["verifier"]:
+            assert (r["lease_id"], r["lease_owner"]) == (claim.claim_id, "trainer-7")
+            assert abs(r["expires"] - claim.expires_at) < 1e-3
+        s.ack(claim.claim_id)
+        assert s.query("SELECT count(*) AS n FROM solver WHERE is_processing").column("n")[0] \
+            .as_py() == 0
+    finally:
+        s.close()
