@@ -685,8 +685,7 @@ class BlobStore:
         if len(ck) != 3 or min(*ck, first) < 0:
             return None
         # built from the numbers read: a key spelled any other way differs from it
-        expected = keys_for(":".join(map(str, ck)), len(keys), first)
-        if not pc.all(pc.equal(keys.cast(pa.large_string()), expected)).as_py():
+        if not _names_rows(keys, ":".join(map(str, ck)), first):
             return None
         return self._rows(ck, list(range(first, first + len(keys))), value_type)  # type: ignore[arg-type]
 
@@ -978,43 +977,54 @@ def whole_chunk(keys: pa.ChunkedArray) -> tuple[int, int, int] | None:
     if row != "0" or len(ck) != 3 or min(ck) < 0:
         return None
     # built from the numbers read: a key spelled any other way differs from it
-    spelled = _spells_rows(keys, ":".join(map(str, ck)))
-    if spelled is None:
-        expected = keys_for(":".join(map(str, ck)), len(keys))
-        spelled = pc.all(pc.equal(keys.cast(pa.large_string()), expected)).as_py()
-    return ck if spelled else None  # type: ignore[return-value]
+    return ck if _names_rows(keys, ":".join(map(str, ck)), 0) else None  # type: ignore[return-value]
 
 
-def _spells_rows(keys: pa.ChunkedArray, prefix: str) -> bool | None:
-    """Whether ``keys`` (no nulls) are ``prefix:0 … prefix:n-1``, compared as bytes with what
-    :func:`keys_for` would build (its offsets and its characters); None where that cannot be
-    told so (not one unsliced large_string array: then compare them in Arrow).
+def _names_rows(keys: pa.Array | pa.ChunkedArray, prefix: str, first: int) -> bool:
+    """Whether ``keys`` (no nulls) are ``prefix:{first} … prefix:{first+n-1}``, as
+    :func:`keys_for` spells them: compared as bytes (the keys' offsets and characters against
+    those of the expected keys) where they are one string or large_string array, else in Arrow.
 
     Why: building the expected keys and comparing them in Arrow cost ~0.1 ms a column, several
     times that on a loaded server (each compute call gives up the interpreter lock and waits
-    for it again), and the first claim of each put paid it for every by-reference column."""
-    if keys.num_chunks != 1 or keys.type != pa.large_string():
-        return None
-    array = keys.chunk(0)
-    _, offsets, data = array.buffers()
-    if array.offset or offsets is None or data is None:
-        return None
-    head = prefix.encode() + b":"
-    digits, expected_offsets = _numbered(len(array), len(head))
-    if not offsets.slice(0, len(expected_offsets)).equals(pa.py_buffer(expected_offsets)):
-        return False
-    joined = head + head.join(digits)
-    return data.size >= len(joined) and \
-        data.slice(0, len(joined)).equals(pa.py_buffer(joined))
+    for it again); the first claim of each put paid it for every by-reference column, and a
+    ``SELECT *`` for every column it reads."""
+    array = keys.chunk(0) if isinstance(keys, pa.ChunkedArray) and keys.num_chunks == 1 \
+        else keys
+    if isinstance(array, pa.Array) and array.type in _OFFSET_TYPES \
+            and first + len(array) <= _NUMBERED_MAX_ROWS:
+        _, offsets, data = array.buffers()
+        n = len(array)
+        if offsets is None or data is None:
+            return n == 0
+        head = prefix.encode() + b":"
+        digits, ends = _numbered(first + n)
+        # the offsets of the keys, and what they would be for the expected keys, from 0
+        got = np.frombuffer(offsets, _OFFSET_TYPES[array.type],
+                            n + 1, array.offset * _OFFSET_TYPES[array.type].itemsize)
+        start = int(got[0])
+        lengths = ends[first:first + n + 1] - ends[first] + \
+            np.arange(n + 1, dtype=np.int64) * len(head)
+        if not np.array_equal(got - start, lengths):
+            return False
+        joined = head + head.join(digits[first:first + n])
+        return data.size >= start + len(joined) and \
+            data.slice(start, len(joined)).equals(pa.py_buffer(joined))
+    expected = keys_for(prefix, len(keys), first)
+    return bool(pc.all(pc.equal(keys.cast(pa.large_string()), expected)).as_py())
 
 
+_OFFSET_TYPES = {pa.string(): np.dtype("<i4"), pa.large_string(): np.dtype("<i8")}
+# Keys past this row number are compared in Arrow: the spelled numbers kept for the bytes check
+# stay a few MB.
+_NUMBERED_MAX_ROWS = 1 << 16
 _NUMBERED: OrderedDict[int, tuple[list[bytes], np.ndarray]] = OrderedDict()
 _NUMBERED_LOCK = threading.Lock()
 
 
-def _numbered(rows: int, head: int) -> tuple[list[bytes], bytes]:
-    """``0 … rows-1`` spelled in bytes, and the int64 offsets of keys ``{head bytes}{number}``
-    (the numbers kept for the last few sizes: a put's size repeats)."""
+def _numbered(rows: int) -> tuple[list[bytes], np.ndarray]:
+    """``0 … rows-1`` spelled in bytes, and the ends of their spellings laid end to end (from
+    0; kept for the last few sizes: a put's size repeats)."""
     with _NUMBERED_LOCK:
         hit = _NUMBERED.get(rows)
         if hit is not None:
@@ -1027,8 +1037,7 @@ def _numbered(rows: int, head: int) -> tuple[list[bytes], bytes]:
             _NUMBERED[rows] = hit
             while len(_NUMBERED) > 16:
                 _NUMBERED.popitem(last=False)
-    digits, ends = hit
-    return digits, (ends + np.arange(rows + 1, dtype=np.int64) * head).astype("<i8").tobytes()
+    return hit
 
 
 def keys_for(prefix: str, rows: int, first: int = 0) -> pa.Array:

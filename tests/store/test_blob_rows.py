@@ -300,6 +300,31 @@ def test_a_run_of_one_chunks_keys_is_resolved_in_bulk(tmp_path, recent):
         assert b.resolve_keys(pa.array(odd, pa.string()), cols["ids"].type) is None, odd
 
 
+def test_a_run_of_keys_is_checked_in_either_string_type_and_at_any_offset(tmp_path):
+    """The bulk path's check of a run of keys (compared as bytes): the keys as DuckDB gives
+    them (string) or as the writer builds them (large_string), sliced out of a longer array, and
+    runs spelled otherwise at the same lengths, which it must refuse."""
+    cols = _columns(150)
+    b = BlobStore(str(tmp_path / "blobs"))
+    prefix = _write(b, cols)["ids"]
+    arr = cols["ids"]
+    for typ in (pa.string(), pa.large_string()):
+        keys = keys_for(prefix, 150).cast(typ)
+        for first, n in ((0, 150), (37, 64), (140, 10), (1, 2)):
+            got = b.resolve_keys(keys.slice(first, n), arr.type)
+            assert got is not None and got.equals(arr.slice(first, n)), (typ, first, n)
+        swapped = list(range(150))
+        swapped[12], swapped[13] = 13, 12                 # same lengths, other characters
+        for odd in (keys.take(swapped).slice(10, 20),
+                    keys.slice(0, 20).take([0, 1, 2, 4, 3]),
+                    pa.array([f"{prefix}:{r:03d}" for r in range(20)], typ),
+                    pa.array([f"{prefix}:{r}" for r in (40, 41, 42, 43, 44, 45, 46, 47, 48, 94)],
+                             typ),
+                    pa.array([f"{prefix}:{r}" for r in range(60, 70)] + [f"{prefix}:7O"],
+                             typ).slice(1)):
+            assert b.resolve_keys(odd, arr.type) is None, (typ, odd.to_pylist())
+
+
 def test_cut_rows_in_runs_is_a_take():
     from store.row_cut import MAX_RUNS, cut
     cols = _columns(120)
