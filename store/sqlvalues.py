@@ -199,8 +199,9 @@ def with_values(blobs: BlobStore, table: pa.Table, tdef: TableDef) -> pa.Table:
     """``table`` (rows of ``tdef``'s stored table, keys included) with each by-reference
     column's values in place: cut in bulk where the keys are a run of one chunk's rows, else
     resolved key by key; as the resolving views give them (same types)."""
+    names = set(table.schema.names)   # (a table's column_names builds a new list each time)
     for c in tdef.columns:
-        if not c.ref or c.ref not in table.column_names or c.name not in table.column_names:
+        if not c.ref or c.ref not in names or c.name not in names:
             continue
         keys = table.column(c.ref)
         if keys.null_count == len(keys):
@@ -220,7 +221,7 @@ def with_values(blobs: BlobStore, table: pa.Table, tdef: TableDef) -> pa.Table:
 def drop_keys(table: pa.Table) -> pa.Table:
     """A result without the ``X__ref`` keys of columns ``X`` it also holds (as ``SELECT *``
     gives them): ``X`` already carries the value, and the key is storage detail."""
-    names = set(table.column_names)
-    keys = [n for n in table.column_names
-            if n.endswith("__ref") and n[: -len("__ref")] in names]
+    listed = table.schema.names
+    names = set(listed)
+    keys = [n for n in listed if n.endswith("__ref") and n[: -len("__ref")] in names]
     return table.drop_columns(keys) if keys else table
