@@ -74,10 +74,10 @@ class StoreIndex:
             "rows_acked": 0, "nacks": 0, "leases_expired": 0, "redeliveries": 0,
             "dead_letters": 0, "stale_rows": 0, "version_bumps": 0}
         self._expiry: list[tuple[float, str]] = []
-        # Per table and row id: a LeaseUpdate, or for a row a claim leased, its Lease (built into
-        # its LeaseUpdate only when taken: a claim acked before its flush is due, the micro-batch
-        # loop's, never needs one; see _updates).
-        self._row_updates: dict[str, dict[int, LeaseUpdate | Lease]] = {}
+        # Per table and row id: a LeaseUpdate, or for a row a claim leased, (its Lease, the row's
+        # delivery count), built into its LeaseUpdate only when taken (see _updates): a claim
+        # acked before its flush is due, the micro-batch loop's, never needs one.
+        self._row_updates: dict[str, dict[int, LeaseUpdate | tuple[Lease, int]]] = {}
         self._recent_acked: OrderedDict[str, int] = OrderedDict()
         self._recent_expired: OrderedDict[str, str] = OrderedDict()
         # claims being ended by dead_letter(): their rows settle as dead, not ready
@@ -182,8 +182,9 @@ class StoreIndex:
             lease.rows.extend([(live, row) for row in rows])
             pending = self._row_updates.setdefault(live.tdef.name, {})
             for row in rows:
-                pending[row.row_id] = lease
-                if row.deliveries > 1:
+                deliveries = row.deliveries
+                pending[row.row_id] = (lease, deliveries)
+                if deliveries > 1:
                     redeliveries += 1
         self.claims[claim_id] = lease
         heapq.heappush(self._expiry, (lease.expires_at, claim_id))
@@ -320,9 +321,9 @@ class StoreIndex:
     def take_row_updates(self) -> dict[str, list[LeaseUpdate]]:
         """Take the bookkeeping waiting to be written, by table (the writer, once due)."""
         with self.lock:
-            updates = {t: _updates(t, rows) for t, rows in self._row_updates.items() if rows}
+            taken = {t: rows for t, rows in self._row_updates.items() if rows}
             self._row_updates = {}
-        return updates
+        return {t: _updates(rows) for t, rows in taken.items()}  # (outside the lock: claims wait)
 
     def requeue_row_updates(self, updates: dict[str, list[LeaseUpdate]]) -> None:
         """Put back bookkeeping a failed transaction had taken (newer entries win)."""
@@ -342,14 +343,14 @@ class StoreIndex:
             if pending:
                 for row, _ in rows:
                     entry = pending.get(row.row_id)
-                    if entry is lease or (isinstance(entry, LeaseUpdate)
-                                          and entry.lease_id == lease.claim_id):
+                    if entry is not None and (entry.lease_id if isinstance(entry, LeaseUpdate)
+                                              else entry[0].claim_id) == lease.claim_id:
                         del pending[row.row_id]
 
     def unwritten_row_updates(self, table: str) -> list[LeaseUpdate]:
         """The bookkeeping of ``table`` not written yet (lock held): expired leases' stale and
         dead rows left memory before their flags reach DuckDB."""
-        return _updates(table, self._row_updates.get(table, {}))
+        return _updates(self._row_updates.get(table, {}))
 
     # -- waiting -----------------------------------------------------------------------------
     def notify(self) -> None:
@@ -386,21 +387,20 @@ def _ended(how: str, plan: SettlePlan) -> str:
     return f"{how}; of its rows, {', '.join(fates)}" if fates else how
 
 
-def _updates(table: str, pending: dict[int, LeaseUpdate | Lease]) -> list[LeaseUpdate]:
-    """The bookkeeping entries of ``table``'s pending rows, a claim's leases built into their
-    LeaseUpdates (lock held). A row's delivery count is the one its lease gave it: anything
-    that changes it (a release, another lease) replaces the row's pending entry."""
+def _updates(pending: dict[int, LeaseUpdate | tuple[Lease, int]]) -> list[LeaseUpdate]:
+    """Pending bookkeeping entries as LeaseUpdates, a claim's ``(lease, delivery count)`` built
+    into one (its lease's fields do not change once it is made)."""
     out: list[LeaseUpdate] = []
-    leased: dict[int, tuple[dict[int, Row], dt.datetime]] = {}  # by id(lease)
+    expiry: dict[int, dt.datetime] = {}  # by id(lease)
     for row_id, entry in pending.items():
-        if isinstance(entry, Lease):
-            known = leased.get(id(entry))
-            if known is None:
-                known = leased[id(entry)] = (
-                    {row.row_id: row for live, row in entry.rows if live.tdef.name == table},
-                    dt.datetime.fromtimestamp(entry.expires_at, dt.timezone.utc))
-            entry = LeaseUpdate(row_id, True, entry.claim_id, entry.owner, known[1],
-                                known[0][row_id].deliveries, False, False)
+        if not isinstance(entry, LeaseUpdate):
+            lease, deliveries = entry
+            expires = expiry.get(id(lease))
+            if expires is None:
+                expires = expiry[id(lease)] = dt.datetime.fromtimestamp(lease.expires_at,
+                                                                        dt.timezone.utc)
+            entry = LeaseUpdate(row_id, True, lease.claim_id, lease.owner, expires, deliveries,
+                                False, False)
         out.append(entry)
     return out
 
