@@ -72,8 +72,8 @@ def local_placement() -> str | None:
 
 def connect_remote(uri: str, **options: Any) -> RemoteStore:
     """A :class:`RemoteStore`, or a :class:`ClusterStore` when ``uri`` is a coordinator."""
-    cluster_options = {k: options.pop(k) for k in ("replicas", "placement", "fetch_threads")
-                       if k in options}
+    cluster_options = {k: options.pop(k) for k in ("replicas", "placement", "fetch_threads",
+                                                    "put_threads") if k in options}
     remote = RemoteStore(uri, **options)
     try:
         is_coordinator = "cluster" in remote.health()
@@ -97,13 +97,18 @@ class ClusterStore(RemoteStore):
         replicas: 1, or 2 to have each value on a second data node before the put returns.
         placement: this process's machine (default :func:`local_placement`).
         fetch_threads: how many value fetches run at once.
+        put_threads: how many puts made with :meth:`put_async` send their values to data
+            nodes at once (their keys still reach the coordinator in the order of the puts).
         **options: as for :class:`RemoteStore`.
     """
 
     def __init__(self, uri: str, *, replicas: int = 1, placement: str | None = None,
-                 fetch_threads: int = 8, **options: Any) -> None:
+                 fetch_threads: int = 8, put_threads: int = 2, **options: Any) -> None:
         if replicas not in (1, 2) or isinstance(replicas, bool):
             raise InvalidArgument(f"replicas {replicas!r} is invalid; expected 1 or 2")
+        if isinstance(put_threads, bool) or not isinstance(put_threads, int) or put_threads < 1:
+            raise InvalidArgument(f"put_threads {put_threads!r} is invalid; expected an "
+                                  "integer ≥ 1")
         roots = options.get("tls_root_certs")
         if isinstance(roots, str):
             with open(roots, "rb") as f:
@@ -120,7 +125,10 @@ class ClusterStore(RemoteStore):
         self._pool = ThreadPoolExecutor(max_workers=fetch_threads,
                                         thread_name_prefix="expstore-fetch")
         self._rng = random.Random()
-        #: put_async's thread (started by the first one), and its puts not yet answered
+        #: put_async's threads (started by the first one): those sending values to data nodes,
+        #: the one sending keys to the coordinator in order; and its puts not yet answered
+        self._put_threads = put_threads
+        self._value_senders: ThreadPoolExecutor | None = None
         self._putter: ThreadPoolExecutor | None = None
         self._putter_lock = threading.Lock()
         self._pending_puts: set[Future] = set()
@@ -173,28 +181,38 @@ class ClusterStore(RemoteStore):
         return super().put(table, arrow, timeout=timeout)
 
     def put_async(self, table: str, data: Any) -> Future:
-        """:meth:`put` without waiting: the values go to a data node on this client's put
-        thread, and the keys to the coordinator as soon as they are back, on the session where
-        the put is small (the next put's values travel meanwhile). Puts reach the coordinator
-        in the order they were made. The Future resolves once the rows are durable, or raises
-        what put would."""
+        """:meth:`put` without waiting: the values go to a data node on one of this client's
+        ``put_threads`` (several puts' values travel at once), and the keys to the coordinator
+        as soon as they are back, on the session where the put is small. Puts reach the
+        coordinator in the order they were made (a put's keys wait for those of the puts
+        before it), so a later put of a sample's column still wins over an earlier one. The
+        Future resolves once the rows are durable, or raises what put would."""
         done: Answer = Answer()
         with self._putter_lock:
             if self._putter is None:
+                self._value_senders = ThreadPoolExecutor(
+                    max_workers=self._put_threads, thread_name_prefix="expstore-put-values")
                 self._putter = ThreadPoolExecutor(max_workers=1,
                                                   thread_name_prefix="expstore-put")
             self._pending_puts.add(done)
+            assert self._value_senders is not None
+            located = self._value_senders.submit(self._located, table, data)
+            self._putter.submit(self._keys_in_order, table, located, done)
         done.add_done_callback(self._put_answered)
-        self._putter.submit(self._put_in_order, table, data, done)
         return done
 
     def _put_answered(self, done: Future) -> None:
         with self._putter_lock:
             self._pending_puts.discard(done)
 
-    def _put_in_order(self, table: str, data: Any, done: Future) -> None:
+    def _located(self, table: str, data: Any) -> pa.Table:
+        return self._with_locations(table, self._arrow(table, data))
+
+    def _keys_in_order(self, table: str, located: Future, done: Future) -> None:
+        """The coordinator's half of a put, on the one put thread (in the order of the puts),
+        once its values are on a data node."""
         try:
-            arrow = self._with_locations(table, self._arrow(table, data))
+            arrow = located.result()
             channel = self._channel() if self._on_session(arrow) else None
             if channel is not None and channel.carries_puts:
                 keys = self._put_on_session(channel, table, arrow)
@@ -416,7 +434,9 @@ class ClusterStore(RemoteStore):
         # puts made before close are sent and answered first (as a single server's session
         # answers the puts already on it)
         if self._putter is not None:
-            self._putter.shutdown(wait=True)
+            self._putter.shutdown(wait=True)     # (each waits for its values first)
+            assert self._value_senders is not None
+            self._value_senders.shutdown(wait=True)
             with self._putter_lock:
                 pending = list(self._pending_puts)
             wait_futures(pending, timeout=self._timeout)

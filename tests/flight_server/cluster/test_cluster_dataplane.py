@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -541,3 +542,41 @@ def test_put_async_raises_through_its_future_and_close_waits_for_its_puts(cluste
     # (close answered the puts made before it)
     with client(cluster, 1) as trainer:
         assert trainer.stats("t")["t"]["ready"] == 32
+
+
+def _puts_at(node: DataNodeServer) -> int:
+    """How many puts' values ``node`` is storing (or waiting to store) right now."""
+    code = DataNodeServer._store_batch.__code__
+    count = 0
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code is code and frame.f_locals.get("self") is node:
+                count += 1
+                break
+            frame = frame.f_back
+    return count
+
+
+def test_put_async_sends_several_puts_values_at_once_and_the_last_put_wins(cluster):
+    """With put_threads, the values of several puts travel to the data node at once (here:
+    all wait at the held node together); their keys still reach the coordinator in the order
+    of the puts, so a sample's column holds the last put's value, whichever put the node
+    stored first."""
+    node = cluster.nodes[0]
+    with client(cluster, 0, put_threads=3) as producer:
+        make_table(producer, required=["response"])
+        producer.put("t", rows("warm", 1))
+        with node._write_lock:
+            futures = [producer.put_async("t", {
+                "sample_id": [f"a{i}_0_0" for i in range(8)],
+                "response": [f"put {t} row {i}" for i in range(8)],
+                "reward": [float(t)] * 8}) for t in range(3)]
+            wait_until(lambda: _puts_at(node) == 3, timeout=10,
+                       message="three puts' values at the data node at once")
+            assert not any(f.done() for f in futures)
+        assert [f.result(30)["rows"] for f in futures] == [8, 8, 8]
+        claim = producer.claim("t", 100, where="sample_id LIKE 'a%'")
+        got = claim.tables["t"].select(["response", "reward"]).to_pylist()
+        assert sorted(got, key=lambda r: r["response"]) == [
+            {"response": f"put 2 row {i}", "reward": 2.0} for i in range(8)]
+
