@@ -6,8 +6,13 @@ finish; a background thread sends them in batches. The writer
 * is a context manager whose exit flushes and closes (as Reverb's trajectory writer);
 * applies back-pressure: a full buffer blocks ``write`` (up to ``write_timeout``) instead of
   growing without bound;
+* keeps up to ``puts_in_flight`` puts on their way at once (``put_async``), so that a put's round
+  trips and durable commits overlap the next one's instead of adding up; their outcomes are
+  settled in the order they were sent;
 * retries transient failures (server restarting, network) with exponential backoff; resending is
-  harmless because writes are upserts;
+  harmless because writes are upserts, and a put retried after later ones were sent leaves out
+  the columns of its samples that those later puts wrote, so that an older part never
+  overwrites a newer one;
 * is version-aware: rows without ``policy_version`` are stamped with the current version, which a
   background long-poll keeps fresh (no polling loop), and ``on_bump`` callbacks fire on a bump
   so that the rollout reloads weights.
@@ -24,10 +29,13 @@ finish; a background thread sends them in batches. The writer
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import store as store_pkg
 from store.errors import ExpstoreError, InvalidArgument, StaleVersion, StoreClosed, Unavailable
@@ -35,6 +43,16 @@ from store.errors import ExpstoreError, InvalidArgument, StaleVersion, StoreClos
 log = logging.getLogger("expstore.producer")
 
 TRANSIENT = (Unavailable,)
+#: how many puts a writer keeps on their way at once by default
+PUTS_IN_FLIGHT = 4
+#: the columns of a row that name it rather than carry a value
+_KEY_COLUMNS = ("sample_id", "policy_version")
+
+
+class _Put(NamedTuple):
+    """A batch of samples sent with ``put_async``, not yet settled."""
+    rows: list[dict[str, Any]]
+    answer: Future
 
 
 class ExperienceWriter:
@@ -45,19 +63,28 @@ class ExperienceWriter:
         table: the experience table.
         batch_rows: send when this many samples are buffered.
         flush_interval: send at least this often (seconds) while anything is buffered.
-        max_buffer_rows: back-pressure: ``write`` blocks while this many samples wait.
+        max_buffer_rows: back-pressure: ``write`` blocks while this many samples wait; a put
+            takes at most ``max(batch_rows, max_buffer_rows // puts_in_flight)`` of them, so
+            that those buffered and those on their way are at most about twice this.
         write_timeout: how long ``write`` may block on a full buffer before raising.
         max_retries, backoff: retry transient errors ``max_retries`` times, doubling ``backoff``.
         track_version: keep :attr:`version` fresh with a background long-poll.
+        puts_in_flight: how many puts may be on their way at once (1: each waits for the one
+            before to be durable).
     """
 
     def __init__(self, target: Any, table: str, *, batch_rows: int = 256,
                  flush_interval: float = 0.05, max_buffer_rows: int = 16384,
                  write_timeout: float | None = 60.0, max_retries: int = 8,
-                 backoff: float = 0.05, track_version: bool = True) -> None:
+                 backoff: float = 0.05, track_version: bool = True,
+                 puts_in_flight: int = PUTS_IN_FLIGHT) -> None:
         if batch_rows < 1 or max_buffer_rows < batch_rows:
             raise InvalidArgument(f"batch_rows {batch_rows} must be ≥ 1 and ≤ max_buffer_rows "
                                   f"{max_buffer_rows}")
+        if isinstance(puts_in_flight, bool) or not isinstance(puts_in_flight, int) \
+                or puts_in_flight < 1:
+            raise InvalidArgument(f"puts_in_flight {puts_in_flight!r} is invalid; expected an "
+                                  "integer ≥ 1")
         self._owns_store = isinstance(target, str)
         self.store = store_pkg.connect(target) if isinstance(target, str) else target
         self.table = table
@@ -67,9 +94,12 @@ class ExperienceWriter:
         self.write_timeout = write_timeout
         self.max_retries = max_retries
         self.backoff = backoff
+        self.puts_in_flight = puts_in_flight
         self.version = self.store.get_version(table)
         self.rows_written = 0
         self._buffer: dict[tuple[str, int | None], dict[str, Any]] = {}
+        #: puts sent and not yet settled, oldest first; the samples they carry
+        self._window: deque[_Put] = deque()
         self._in_flight = 0
         self._flushing = 0
         self._cond = threading.Condition()
@@ -141,6 +171,16 @@ class ExperienceWriter:
                 self._cond.wait(remaining if remaining is not None else 0.5)
             self._raise_if_failed()
 
+    @property
+    def buffered_rows(self) -> int:
+        """Samples written and not yet sent."""
+        return len(self._buffer)
+
+    @property
+    def in_flight_rows(self) -> int:
+        """Samples sent in puts that are not yet settled (answered, or retried)."""
+        return self._in_flight
+
     def on_stale(self, callback: Callable[[dict[str, Any], StaleVersion], None]) -> None:
         """Call ``callback(row, error)`` for each sample refused as stale (a bump overtook it).
 
@@ -185,49 +225,106 @@ class ExperienceWriter:
             raise self._error
 
     def _send_loop(self) -> None:
+        deadline = time.monotonic() + self.flush_interval   # a partial batch goes by then
         while True:
             with self._cond:
+                rows = self._next_batch(deadline)
+                if rows is None and not self._window:
+                    return                       # closed, and everything settled
+            if rows is None:
+                self._settle_oldest()
+            else:
+                self._send(rows)
                 deadline = time.monotonic() + self.flush_interval
-                while not self._closed and len(self._buffer) < self.batch_rows:
-                    remaining = deadline - time.monotonic()
-                    if (remaining <= 0 or self._flushing) and self._buffer:
-                        break
-                    self._cond.wait(remaining if remaining > 0 else self.flush_interval)
-                if self._closed and not self._buffer:
-                    return
-                if self._error is not None:
-                    self._buffer.clear()
-                    self._cond.notify_all()
-                    if self._closed:
-                        return
-                    continue
-                rows = list(self._buffer.values())
-                self._buffer.clear()
-                self._in_flight = len(rows)
+
+    def _next_batch(self, deadline: float) -> list[dict[str, Any]] | None:
+        """Under the lock: wait until the oldest put is answered (None: settle it), or a batch
+        is due and a put may start (the batch, taken from the buffer), or the writer is closed
+        with nothing buffered (None)."""
+        while True:
+            if self._window and self._window[0].answer.done():
+                return None
+            if self._error is not None and self._buffer:
+                self._buffer.clear()             # nothing more is sent after an error
                 self._cond.notify_all()
-            version = self.version
-            for row in rows:
-                if row.get("policy_version") is None:
-                    row["policy_version"] = version
+            if self._closed and not self._buffer:
+                if not self._window:
+                    return None
+            elif self._buffer and len(self._window) < self.puts_in_flight and (
+                    len(self._buffer) >= self.batch_rows or self._closed or self._flushing
+                    or time.monotonic() >= deadline):
+                take = max(self.batch_rows, self.max_buffer_rows // self.puts_in_flight)
+                keys = list(itertools.islice(self._buffer, take))
+                rows = [self._buffer.pop(k) for k in keys]
+                self._in_flight += len(rows)
+                self._cond.notify_all()
+                return rows
+            remaining = deadline - time.monotonic()
+            self._cond.wait(remaining if remaining > 0 else self.flush_interval)
+
+    def _send(self, rows: list[dict[str, Any]]) -> None:
+        version = self.version
+        for row in rows:
+            if row.get("policy_version") is None:
+                row["policy_version"] = version
+        try:
+            answer = self.store.put_async(self.table, rows)
+        except BaseException as e:  # noqa: BLE001 - settled (retried or surfaced) in order
+            answer = Future()
+            answer.set_exception(e)
+        with self._cond:
+            self._window.append(_Put(rows, answer))
+        answer.add_done_callback(self._answered)
+
+    def _answered(self, _: Future) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _settle_oldest(self) -> None:
+        """The oldest put's outcome: counted, or retried (without the columns later puts
+        wrote), or the writer's error."""
+        put = self._window[0]
+        error = put.answer.exception()
+        if error is not None and self._error is None:
             try:
-                self._put_with_retries(rows)
+                self._retry(put, error)
             except BaseException as e:  # noqa: BLE001 - surfaced to the producer on write/flush
                 with self._cond:
                     self._error = e
-            with self._cond:
-                if self._error is None:
-                    self.rows_written += len(rows)
-                self._in_flight = 0
-                self._cond.notify_all()
+            else:
+                error = None
+        with self._cond:
+            self._window.popleft()
+            if error is None:
+                self.rows_written += len(put.rows)
+            self._in_flight -= len(put.rows)
+            self._cond.notify_all()
 
-    def _put_with_retries(self, rows: list[dict[str, Any]]) -> None:
-        delay = self.backoff
-        for attempt in range(self.max_retries + 1):
+    def _retry(self, put: _Put, error: BaseException) -> None:
+        """Send a failed put's samples again, in a put (or, after StaleVersion, one by one)
+        that waits, leaving out what the puts sent after it wrote: being sent again after
+        them, those values of the retry would otherwise overwrite newer ones."""
+        rows = _without_superseded(put.rows, [later.rows for later in
+                                              itertools.islice(self._window, 1, None)])
+        if isinstance(error, StaleVersion):
+            # A bump overtook some samples: keep the rest, hand the stale ones back.
+            self._put_rows_singly(rows)
+            return
+        if not isinstance(error, TRANSIENT):
+            raise error
+        log.warning("put to %r failed (%s); retrying", self.table, error)
+        if rows:
+            self._put_with_retries(rows, first_delay=self.backoff)
+
+    def _put_with_retries(self, rows: list[dict[str, Any]], first_delay: float) -> None:
+        delay = first_delay
+        for attempt in range(1, self.max_retries + 1):
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
             try:
                 self.store.put(self.table, rows)
                 return
             except StaleVersion:
-                # A bump overtook some samples: keep the rest, hand the stale ones back.
                 self._put_rows_singly(rows)
                 return
             except TRANSIENT as e:
@@ -235,8 +332,8 @@ class ExperienceWriter:
                     raise
                 log.warning("put to %r failed (%s); retry %d in %.2f s", self.table, e,
                             attempt + 1, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        raise Unavailable(f"put to {self.table!r} failed and max_retries is "
+                          f"{self.max_retries}")
 
     def _put_rows_singly(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
@@ -290,3 +387,30 @@ class ExperienceWriter:
                         callback(version, uri)
                     except Exception:  # noqa: BLE001 - a producer's callback must not kill us
                         log.exception("on_bump callback failed")
+
+
+def _without_superseded(rows: list[dict[str, Any]],
+                        later: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """``rows`` less the values the ``later`` batches write to the same samples (a column with
+    a value there, and its status column, which that write sets); rows left with no value are
+    dropped."""
+    written: dict[tuple[Any, Any], set[str]] = {}
+    for batch in later:
+        for row in batch:
+            columns = written.setdefault((row["sample_id"], row.get("policy_version")), set())
+            for column, value in row.items():
+                if value is not None and column not in _KEY_COLUMNS:
+                    columns.add(column)
+                    columns.add(f"{column}_status")
+    if not written:
+        return rows
+    kept = []
+    for row in rows:
+        gone = written.get((row["sample_id"], row.get("policy_version")))
+        if not gone:
+            kept.append(row)
+            continue
+        rest = {c: v for c, v in row.items() if c not in gone}
+        if any(c not in _KEY_COLUMNS for c in rest):
+            kept.append(rest)
+    return kept

@@ -22,6 +22,7 @@ from flight_server.cluster.coordinator import CoordinatorServer
 from flight_server.cluster.datanode import DataNodeServer
 from flight_server.cluster.locations import parse_key, row_keys
 from flight_server.cluster.security import NO_SECURITY, ClusterSecurity
+from producers import ExperienceWriter
 from store.errors import InvalidArgument, NotFound, PermissionDenied
 
 from flight_fixtures import (TOKENS, WRONG_TOKEN, action_json, bearer, error_code,
@@ -580,3 +581,52 @@ def test_put_async_sends_several_puts_values_at_once_and_the_last_put_wins(clust
         assert sorted(got, key=lambda r: r["response"]) == [
             {"response": f"put 2 row {i}", "reward": 2.0} for i in range(8)]
 
+
+def test_a_writer_retrying_a_put_never_overwrites_what_a_later_put_wrote(cluster):
+    """A fault on a put while later ones are on their way: the first put carries a sample
+    whose version a bump made stale, so the coordinator refuses it whole (StaleVersion), while
+    the second, sent meanwhile, writes a newer response of a sample the first put also
+    carried. The writer sends the first put's samples again, one by one, after the second
+    was answered: without the newer column, which would otherwise be overwritten by the
+    older value."""
+    node = cluster.nodes[0]
+    with client(cluster, 0) as producer:
+        make_table(producer, required=["response"])
+        producer.bump_version("t")                        # version 1: samples of 0 are stale
+        w = ExperienceWriter(producer, "t", batch_rows=2, flush_interval=30,
+                             track_version=False, puts_in_flight=4)
+        with node._write_lock:                            # both puts wait at the data node
+            w.write([{"sample_id": "y_0_0", "response": "stale", "policy_version": 0},
+                     {"sample_id": "x_0_0", "response": "older", "reward": 1.0,
+                      "policy_version": 1}])
+            wait_until(lambda: w.in_flight_rows == 2, timeout=10, message="first put sent")
+            w.write([{"sample_id": "x_0_0", "response": "newer", "policy_version": 1},
+                     {"sample_id": "z_0_0", "response": "other", "policy_version": 1}])
+            wait_until(lambda: w.in_flight_rows == 4, timeout=10, message="second put sent")
+        w.close(timeout=30)
+        assert [r["sample_id"] for r in w.stale_rows] == ["y_0_0"]
+        claim = producer.claim("t", 10)
+        got = {r["sample_id"]: (r["response"], r["reward"])
+               for r in claim.tables["t"].select(["sample_id", "response", "reward"]).to_pylist()}
+        # x's reward came only with the first put: it is sent again; its response is the newer
+        assert got == {"x_0_0": ("newer", 1.0), "z_0_0": ("other", None)}
+
+
+def test_a_writers_flush_and_close_wait_for_every_put_in_flight(cluster):
+    node = cluster.nodes[0]
+    with client(cluster, 0) as producer:
+        make_table(producer, required=["response"])
+        w = ExperienceWriter(producer, "t", batch_rows=4, flush_interval=30,
+                             track_version=False, puts_in_flight=3)
+        closed = threading.Event()
+        with node._write_lock:
+            for t in range(3):
+                w.write([{"sample_id": f"s{i}_{t}_0", "response": f"r{t}"} for i in range(4)])
+                wait_until(lambda: w.in_flight_rows == 4 * (t + 1), timeout=10,
+                           message=f"put {t} sent")
+            closer = threading.Thread(target=lambda: (w.close(timeout=30), closed.set()))
+            closer.start()
+            assert not closed.wait(0.5), "close returned with puts in flight"
+        closer.join(30)
+        assert closed.is_set() and w.rows_written == 12 and w.in_flight_rows == 0
+        assert producer.stats("t")["t"]["ready"] == 12
