@@ -3,10 +3,11 @@
 One Ray cluster of max(N) logical nodes on this machine, bound to 127.0.0.1; for each N a fresh
 expstore cluster (``cluster_up``: a coordinator and a data node on each of N Ray nodes). Then N
 producers, one Ray task pinned to each node, put wide rows (the by-reference columns go to their
-node's data node, keys to the coordinator) from a common start (a barrier actor: Ray may start
-a task's worker late); then N trainers, one per node, claim micro-batches of 16 (values fetched
-from the data nodes) and ack them pipelined (``ack_async``, as the library's trainers do) until
-the table is drained. Aggregates are rows over the wall time from the common start to the last
+node's data node, keys to the coordinator), keeping ``PUTS_IN_FLIGHT`` puts on their way
+(``put_async``) as the library's ExperienceWriter does, from a common start (a barrier actor:
+Ray may start a task's worker late); then N trainers, one per node, claim micro-batches of 16
+(values fetched from the data nodes) and ack them pipelined (``ack_async``, as the library's
+trainers do) until the table is drained. Aggregates are rows over the wall time from the common start to the last
 task's end.
 The coordinator's CPU (its process, every thread) per sample is measured around each phase.
 
@@ -27,6 +28,8 @@ import shutil
 import socket
 import tempfile
 import time
+from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 from bench.context import Ctx, Skip
@@ -34,6 +37,7 @@ from bench.context import Ctx, Skip
 from bench.transferqueue import micro_rows, tensordict_of
 from bench.util import percentiles_ms
 from bench.workloads import WIDE_COLUMNS, wide_table
+from producers.writer import PUTS_IN_FLIGHT
 
 NAME = "cluster"
 TITLE = "Scale-out on Ray: N data nodes (aggregate ingest, micro-batch reads)"
@@ -97,8 +101,14 @@ def produce(uri: str, start: int, rows: int, barrier: Any) -> dict[str, Any]:
         s.cluster()
         _meet(barrier)
         t0 = time.time()
+        # a bounded window of puts on their way, as the library's ExperienceWriter keeps
+        window: deque[Future] = deque()
         for b in batches:
-            s.put("wide", b)
+            window.append(s.put_async("wide", b))
+            if len(window) >= PUTS_IN_FLIGHT:
+                window.popleft().result()
+        for put in window:
+            put.result()
         return {"t0": t0, "t1": time.time(), "rows": rows, "bytes": data.nbytes}
 
 
