@@ -310,9 +310,9 @@ class ExperienceWriter:
             # A bump overtook some samples: keep the rest, hand the stale ones back.
             self._put_rows_singly(rows)
             return
-        if not isinstance(error, TRANSIENT):
+        if not isinstance(error, TRANSIENT) or self.max_retries == 0:
             raise error
-        log.warning("put to %r failed (%s); retrying", self.table, error)
+        log.warning("put to %r failed (%s); retry 1 in %.2f s", self.table, error, self.backoff)
         if rows:
             self._put_with_retries(rows, first_delay=self.backoff)
 
@@ -332,8 +332,6 @@ class ExperienceWriter:
                     raise
                 log.warning("put to %r failed (%s); retry %d in %.2f s", self.table, e,
                             attempt + 1, delay)
-        raise Unavailable(f"put to {self.table!r} failed and max_retries is "
-                          f"{self.max_retries}")
 
     def _put_rows_singly(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
