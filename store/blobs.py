@@ -1000,8 +1000,8 @@ def _names_rows(keys: pa.Array | pa.ChunkedArray, prefix: str, first: int) -> bo
         head = prefix.encode() + b":"
         digits, ends = _numbered(first + n)
         # the offsets of the keys, and what they would be for the expected keys, from 0
-        got = np.frombuffer(offsets, _OFFSET_TYPES[array.type],
-                            n + 1, array.offset * _OFFSET_TYPES[array.type].itemsize)
+        dtype = _OFFSET_TYPES[array.type]
+        got = np.frombuffer(offsets, dtype, n + 1, array.offset * dtype.itemsize)
         start = int(got[0])
         lengths = ends[first:first + n + 1] - ends[first] + \
             np.arange(n + 1, dtype=np.int64) * len(head)
@@ -1014,7 +1014,8 @@ def _names_rows(keys: pa.Array | pa.ChunkedArray, prefix: str, first: int) -> bo
     return bool(pc.all(pc.equal(keys.cast(pa.large_string()), expected)).as_py())
 
 
-_OFFSET_TYPES = {pa.string(): np.dtype("<i4"), pa.large_string(): np.dtype("<i8")}
+_OFFSET_TYPES: dict[pa.DataType, np.dtype] = {pa.string(): np.dtype("<i4"),
+                                               pa.large_string(): np.dtype("<i8")}
 # Keys past this row number are compared in Arrow: the spelled numbers kept for the bytes check
 # stay a few MB.
 _NUMBERED_MAX_ROWS = 1 << 16
