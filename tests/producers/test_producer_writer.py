@@ -69,6 +69,23 @@ def test_a_full_buffer_blocks_then_times_out_when_nothing_drains(s):
         w.close(timeout=5)
 
 
+def test_a_bad_number_of_puts_in_flight_is_refused_with_the_value_named(s):
+    with pytest.raises(store.InvalidArgument, match="puts_in_flight 0"):
+        ExperienceWriter(s, "agent", puts_in_flight=0, track_version=False)
+
+
+def test_one_put_in_flight_still_merges_parts_and_flushes(s):
+    with ExperienceWriter(s, "agent", batch_rows=4, flush_interval=10, puts_in_flight=1,
+                          track_version=False) as w:
+        for i in range(40):
+            w.write({"sample_id": f"q{i}_0_0", "prompt": f"p{i}"})
+            w.write({"sample_id": f"q{i}_0_0", "reward": float(i)})
+        w.flush(timeout=30)
+        assert w.buffered_rows == 0 and w.in_flight_rows == 0
+    rows = s.query("SELECT prompt, reward FROM agent ORDER BY reward").to_pylist()
+    assert rows == [{"prompt": f"p{i}", "reward": float(i)} for i in range(40)]
+
+
 def test_write_without_sample_id_is_refused(s):
     with ExperienceWriter(s, "agent", track_version=False) as w:
         with pytest.raises(store.InvalidArgument, match="sample_id"):

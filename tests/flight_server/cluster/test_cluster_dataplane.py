@@ -296,6 +296,8 @@ def test_a_restarted_coordinator_keeps_its_tables_and_nodes_register_again(tmp_p
 def test_bad_input_is_refused_with_the_value_named(cluster):
     with pytest.raises(InvalidArgument, match="replicas 3"):
         client(cluster, 0, replicas=3)
+    with pytest.raises(InvalidArgument, match="put_threads 0"):
+        client(cluster, 0, put_threads=0)
     with pytest.raises(InvalidArgument, match="location key 'nope'"):
         parse_key("nope")
     c = flight.FlightClient(cluster.uri)
