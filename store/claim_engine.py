@@ -23,7 +23,7 @@ from .index import StoreIndex
 from .live import LOADING, Lease, LiveTable, Row
 from .naming import quote
 from .readers import Readers
-from .row_cut import RowCut, runs_of
+from .row_cut import RowCut
 from .settings import StoreSettings
 from .sqlguard import predicate_query
 from .types import one_array
@@ -222,7 +222,7 @@ class ClaimEngine:
         """The claim's columns (by position in the payload) from rows of several cached tables:
         one cut per table, then one reorder into claim order (far cheaper than a slice and a
         concat per row), by-reference values resolved from their keys."""
-        parts = [_rows_of(table, indices) for table, indices, _ in sources.values()]
+        parts = [RowCut(indices).rows_of(table) for table, indices, _ in sources.values()]
         data = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
         order = [p for _, _, positions in sources.values() for p in positions]
         if len(parts) > 1 and order != sorted(order):
@@ -301,19 +301,6 @@ _ONES = pa.array(np.ones(1024, np.int32))
 def _first_deliveries(n: int) -> pa.Array:
     """A delivery_count column of ``n`` ones (a claim's rows are usually first deliveries)."""
     return _ONES.slice(0, n) if n <= len(_ONES) else pa.array(np.ones(n, np.int32))
-
-
-def _rows_of(table: pa.Table, indices: list[int]) -> pa.Table:
-    """Rows ``indices`` of ``table``, in that order: zero-copy slices when they form a few
-    ascending runs (the usual case: rows are claimed in about the order they were written; a
-    slice costs next to nothing, where a take copies every column of the rows), else a take
-    (past :data:`store.row_cut.MAX_RUNS` runs)."""
-    runs = runs_of(indices)
-    if runs is None:
-        return table.take(indices)
-    if len(runs) == 1:
-        return table.slice(*runs[0])
-    return pa.concat_tables([table.slice(at, n) for at, n in runs])
 
 
 def _inverse(order: list[int]) -> list[int]:

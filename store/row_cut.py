@@ -20,7 +20,7 @@ each of its plain columns alone, cost more than the cut (a claim returns 10-30 c
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import pyarrow as pa
 
@@ -71,24 +71,22 @@ class RowCut:
     def columns(self, data: pa.Table) -> list[pa.Array]:
         """The rows of every column of ``data``, each as one array, cut in one step for the
         whole table (one slice, one join of the runs, or one take)."""
-        runs = self.runs
         batches = data.to_batches()
         if len(batches) == 1:
-            batch = batches[0]
-            if runs is None:
-                batch = batch.take(self.indices())
-            elif len(runs) == 1:
-                batch = batch.slice(*runs[0])
-            else:
-                batch = pa.concat_batches([batch.slice(at, n) for at, n in runs])
-            return batch.columns
+            return self.rows_of(batches[0]).columns
+        return [one_array(c) for c in self.rows_of(data).columns]
+
+    def rows_of(self, data: Any) -> Any:
+        """The rows of ``data`` (a table or a record batch), in order: one slice, one join of
+        the runs, or one take."""
+        runs = self.runs
         if runs is None:
-            part = data.take(self.indices())
-        elif len(runs) == 1:
-            part = data.slice(*runs[0])
-        else:
-            part = pa.concat_tables([data.slice(at, n) for at, n in runs])
-        return [one_array(c) for c in part.columns]
+            return data.take(self.indices())
+        if len(runs) == 1:
+            return data.slice(*runs[0])
+        pieces = [data.slice(at, n) for at, n in runs]
+        return pa.concat_batches(pieces) if isinstance(data, pa.RecordBatch) \
+            else pa.concat_tables(pieces)
 
 
 def runs_of(rows: Sequence[int]) -> list[tuple[int, int]] | None:

@@ -9,9 +9,12 @@ import pyarrow as pa
 import pytest
 
 from store.ipc import ipc_stream
-from store.claim_engine import _rows_of
-from store.row_cut import MAX_RUNS
 from store.row_cut import MAX_RUNS, RowCut
+
+
+def _rows_of(table: pa.Table, indices: list[int]) -> pa.Table:
+    """How a claim cuts rows of a cached put (store/claim_engine.py)."""
+    return RowCut(indices).rows_of(table)
 
 
 def _table(n: int) -> pa.Table:
