@@ -50,13 +50,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, NamedTuple, Sequence, Union
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import xxhash
 
 from . import blob_rows
+from .blob_keys import names_rows, whole_chunk
 from .row_cut import RowCut, cut
 from .errors import StorageError
 from .settings import StoreSettings
@@ -685,7 +685,7 @@ class BlobStore:
         if len(ck) != 3 or min(*ck, first) < 0:
             return None
         # built from the numbers read: a key spelled any other way differs from it
-        if not _names_rows(keys, ":".join(map(str, ck)), first):
+        if not names_rows(keys, ":".join(map(str, ck)), first):
             return None
         return self._rows(ck, list(range(first, first + len(keys))), value_type)  # type: ignore[arg-type]
 
@@ -962,88 +962,3 @@ def _pwritev_run(fd: int, views: list[memoryview], offset: int) -> None:
             else:
                 views[i] = views[i][n:]
                 n = 0
-
-
-def whole_chunk(keys: pa.ChunkedArray) -> tuple[int, int, int] | None:
-    """The chunk (segment, offset, length) whose rows 0 … n-1 ``keys`` name in that order, as
-    :func:`keys_for` builds them for a put's column; else None."""
-    if not len(keys) or keys.null_count:
-        return None
-    prefix, _, row = str(keys[0].as_py()).rpartition(":")
-    try:
-        ck = tuple(int(p) for p in prefix.split(":"))
-    except ValueError:
-        return None
-    if row != "0" or len(ck) != 3 or min(ck) < 0:
-        return None
-    # built from the numbers read: a key spelled any other way differs from it
-    return ck if _names_rows(keys, ":".join(map(str, ck)), 0) else None  # type: ignore[return-value]
-
-
-def _names_rows(keys: pa.Array | pa.ChunkedArray, prefix: str, first: int) -> bool:
-    """Whether ``keys`` (no nulls) are ``prefix:{first} … prefix:{first+n-1}``, as
-    :func:`keys_for` spells them: compared as bytes (the keys' offsets and characters against
-    those of the expected keys) where they are one string or large_string array, else in Arrow.
-
-    Why: building the expected keys and comparing them in Arrow cost ~0.1 ms a column, several
-    times that on a loaded server (each compute call gives up the interpreter lock and waits
-    for it again); the first claim of each put paid it for every by-reference column, and a
-    ``SELECT *`` for every column it reads."""
-    array = keys.chunk(0) if isinstance(keys, pa.ChunkedArray) and keys.num_chunks == 1 \
-        else keys
-    if isinstance(array, pa.Array) and array.type in _OFFSET_TYPES \
-            and first + len(array) <= _NUMBERED_MAX_ROWS:
-        _, offsets, data = array.buffers()
-        n = len(array)
-        if offsets is None or data is None:
-            return n == 0
-        head = prefix.encode() + b":"
-        digits, ends = _numbered(first + n)
-        # the offsets of the keys, and what they would be for the expected keys, from 0
-        dtype = _OFFSET_TYPES[array.type]
-        got = np.frombuffer(offsets, dtype, n + 1, array.offset * dtype.itemsize)
-        start = int(got[0])
-        lengths = ends[first:first + n + 1] - ends[first] + \
-            np.arange(n + 1, dtype=np.int64) * len(head)
-        if not np.array_equal(got - start, lengths):
-            return False
-        joined = head + head.join(digits[first:first + n])
-        return data.size >= start + len(joined) and \
-            data.slice(start, len(joined)).equals(pa.py_buffer(joined))
-    expected = keys_for(prefix, len(keys), first)
-    return bool(pc.all(pc.equal(keys.cast(pa.large_string()), expected)).as_py())
-
-
-_OFFSET_TYPES: dict[pa.DataType, np.dtype] = {pa.string(): np.dtype("<i4"),
-                                               pa.large_string(): np.dtype("<i8")}
-# Keys past this row number are compared in Arrow: the spelled numbers kept for the bytes check
-# stay a few MB.
-_NUMBERED_MAX_ROWS = 1 << 16
-_NUMBERED: OrderedDict[int, tuple[list[bytes], np.ndarray]] = OrderedDict()
-_NUMBERED_LOCK = threading.Lock()
-
-
-def _numbered(rows: int) -> tuple[list[bytes], np.ndarray]:
-    """``0 … rows-1`` spelled in bytes, and the ends of their spellings laid end to end (from
-    0; kept for the last few sizes: a put's size repeats)."""
-    with _NUMBERED_LOCK:
-        hit = _NUMBERED.get(rows)
-        if hit is not None:
-            _NUMBERED.move_to_end(rows)
-    if hit is None:
-        digits = [str(i).encode() for i in range(rows)]
-        ends = np.concatenate(([0], np.cumsum(np.fromiter(map(len, digits), np.int64, rows))))
-        hit = digits, ends
-        with _NUMBERED_LOCK:
-            _NUMBERED[rows] = hit
-            while len(_NUMBERED) > 16:
-                _NUMBERED.popitem(last=False)
-    return hit
-
-
-def keys_for(prefix: str, rows: int, first: int = 0) -> pa.Array:
-    """``prefix:{first} … prefix:{first+rows-1}`` as an Arrow large_string array (the type of
-    the cached ``__ref`` columns), built vectorised."""
-    idx = pc.cast(pa.array(np.arange(first, first + rows, dtype=np.int64)), pa.large_string())
-    return pc.binary_join_element_wise(pa.scalar(prefix, pa.large_string()), idx,
-                                       pa.scalar(":", pa.large_string()))

@@ -17,7 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .blobs import BlobStore, keys_for
+from .blob_keys import keys_for
+from .blobs import BlobStore
 from .errors import StaleVersion, StorageError
 from .index import StoreIndex
 from .live import LEASED, LiveTable, Row, RowBlock

@@ -14,7 +14,8 @@ import pytest
 
 import store
 from store import blob_rows, tensors
-from store.blobs import BlobStore, keys_for, serialize_chunk_buffer
+from store.blob_keys import keys_for
+from store.blobs import BlobStore, serialize_chunk_buffer
 from store.errors import StorageError
 from store.row_cut import RowCut
 
@@ -346,7 +347,7 @@ def test_cut_rows_in_runs_is_a_take():
 def test_whole_chunk_accepts_only_the_keys_of_a_whole_chunk_in_order():
     """The check a claim relies on to cut a put's rows by row number (compared as bytes where
     the keys are one large_string array, in Arrow otherwise)."""
-    from store.blobs import whole_chunk
+    from store.blob_keys import whole_chunk
     prefix = "3:8192:40960"
     keys = keys_for(prefix, 120)
     assert whole_chunk(pa.chunked_array([keys])) == (3, 8192, 40960)
