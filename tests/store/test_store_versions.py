@@ -7,6 +7,7 @@ import time
 import pytest
 
 from store.errors import InvalidArgument, LeaseExpired, NotFound, StaleVersion, VersionConflict
+from store.ops import ReadOp
 
 
 def _stats(s, table="t"):
@@ -231,21 +232,32 @@ def test_acks_queued_before_a_bump_share_its_commit(embedded_store, wait_until):
     s.create_table("t", {"reward": "float64"}, max_staleness=0)
     _put(s, [f"a_0_{i}" for i in range(4)])
     first, second = s.claim("t", 2), s.claim("t", 1)
-    # A large put keeps the writer busy (~0.2 s here), so that the ack and the bump wait in its
-    # queue together.
+    _put(s, [f"b{i}_0_0" for i in range(3)])  # ready at the old version: stale after the bump
+    # Hold the writer inside a read (run between groups, it commits nothing) until the ack and the
+    # bump both wait in its queue, so that it takes them together.
+    reading, release = threading.Event(), threading.Event()
+
+    def hold(_con):
+        reading.set()
+        assert release.wait(30), "the test never released the writer"
+
+    held = s._writer.submit(ReadOp(run=hold))  # noqa: SLF001
+    assert reading.wait(30), "the writer never ran the read"
     commits = s.health()["commits"]
-    busy = s.put_async("t", {"sample_id": [f"b{i}_0_0" for i in range(20000)],
-                             "reward": [1.0] * 20000})
-    # the writer has taken the put: the ack will not share its commit
-    wait_until(lambda: s._writer.queue_depth == 0,  # noqa: SLF001
-               message="the writer taking the large put")
     acked = s.ack_async(first.claim_id)
-    assert s.bump_version("t") == 1
-    assert busy.result()["rows"] == 20000
+    bumped: list[int] = []
+    bumper = threading.Thread(target=lambda: bumped.append(s.bump_version("t")))
+    bumper.start()
+    wait_until(lambda: s._writer.queue_depth == 2,  # noqa: SLF001
+               message="the ack and the bump queued behind the read")
+    release.set()
+    held.result(30)
+    bumper.join(30)
+    assert bumped == [1]
     assert acked.result()["acked"] == 2
-    assert s.health()["commits"] - commits == 2, "the ack and the bump did not share a commit"
+    assert s.health()["commits"] - commits == 1, "the ack and the bump did not share a commit"
     st = _stats(s)
-    assert (st["consumed"], st["processing"], st["ready"], st["stale"]) == (2, 1, 0, 20001)
+    assert (st["consumed"], st["processing"], st["ready"], st["stale"]) == (2, 1, 0, 4)
     rows = s.query("SELECT sample_id, consumed, consumed_version, stale FROM t "
                    "WHERE sample_id LIKE 'a%' ORDER BY 1").to_pylist()
     claimed = {first.data.column("sample_id")[i].as_py(): True for i in range(2)}
@@ -257,4 +269,4 @@ def test_acks_queued_before_a_bump_share_its_commit(embedded_store, wait_until):
                                                         row["sample_id"] not in second.data.column(
                                                             "sample_id").to_pylist())
     s.nack(second.claim_id)  # back after the bump: stale
-    assert _stats(s)["stale"] == 20002
+    assert _stats(s)["stale"] == 5
