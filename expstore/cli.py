@@ -3,8 +3,10 @@
 Every command opens one store (``--db PATH`` embedded, or ``--uri grpc://…`` remote, chosen by
 :func:`store.connect`), makes one library call and prints the answer: aligned columns for people,
 ``--json`` for scripts. Library errors (:class:`store.ExpstoreError`) become
-:class:`click.ClickException` in one place, :class:`ExpstoreCommand`, so a bad table name or
-type ends with a one-line message and exit status 1, never a traceback.
+:class:`click.ClickException` in one place (:class:`expstore.options.ExpstoreCommand`), so a bad
+table name or type ends with a one-line message and exit status 1, never a traceback. The
+options every command shares are in expstore/options.py; ``expstore cluster`` is in
+expstore/cluster_commands.py.
 
 Example::
 
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
-import functools
 import importlib
 import json
 import logging
@@ -23,168 +24,21 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import click
-import pyarrow as pa
 
-from store.cache import DEFAULT_CACHE_LIMIT, parse_size
-from store.errors import AlreadyExists, ExpstoreError, InvalidArgument
+from store.cache import DEFAULT_CACHE_LIMIT
+from store.errors import AlreadyExists, ExpstoreError
 
 from . import __version__
+from .cluster_commands import cluster
+from .options import (DEFAULT_PORT, ExpstoreGroup, Target, db_option, json_option, size_option,
+                      store_options)
 from .output import MAX_CELL, echo_json, format_pairs, format_result, format_table, raw_cell
 from .serve import SHUTDOWN_GRACE_SECONDS
 
-DEFAULT_DB = "./expstore.duckdb"
-DEFAULT_PORT = 8815
 QUERY_FORMATS = ("table", "csv", "json", "parquet")
-
-
-# -- error boundary -------------------------------------------------------------------------------
-class ExpstoreCommand(click.Command):
-    """A command whose library errors end as a one-line message (exit status 1)."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        with _errors():
-            return super().invoke(ctx)
-
-
-class ExpstoreGroup(click.Group):
-    command_class = ExpstoreCommand
-    group_class = type  # subgroups (``version``) are ExpstoreGroups too
-
-
-@contextmanager
-def _errors() -> Iterator[None]:
-    try:
-        yield
-    except ExpstoreError as e:
-        raise click.ClickException(str(e)) from e
-    except OSError as e:
-        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        raise click.ClickException(f"{where}{e.strerror or e}") from e
-    except pa.ArrowException as e:
-        raise click.ClickException(f"arrow: {e}") from e
-
-
-# -- shared options -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Target:
-    """Which store a command talks to: an embedded DuckDB file or a server URI."""
-
-    db: str
-    uri: str | None = None
-    token: str | None = None
-    tls_root_certs: str | None = None
-    create: bool = False
-
-    @property
-    def address(self) -> str:
-        return self.uri or self.db
-
-    @contextmanager
-    def open(self) -> Iterator[Any]:
-        """The open store, closed afterwards (an embedded store checkpoints on close)."""
-        import store
-
-        if self.uri:
-            _check_listening(self.uri)
-            options: dict[str, Any] = {}
-            if self.token:
-                options["token"] = self.token
-            if self.tls_root_certs:
-                options["tls_root_certs"] = self.tls_root_certs
-            s = store.connect(self.uri, **options)
-        else:
-            if not self.create and not os.path.exists(self.db):
-                raise click.ClickException(
-                    f"database {self.db!r} does not exist; create a table in it with "
-                    f"`expstore create-table --db {self.db} …`, or connect to a running server "
-                    "with --uri grpc://HOST:PORT")
-            s = store.connect(self.db)
-        try:
-            yield s
-        finally:
-            s.close()
-
-
-def _check_listening(uri: str) -> None:
-    """Fail at once, naming the address, where nothing listens: the client would otherwise keep
-    retrying the refused connection for its whole connect timeout (~10 s)."""
-    import socket
-    from urllib.parse import urlsplit
-
-    from store import REMOTE_SCHEMES
-
-    if not uri.startswith(REMOTE_SCHEMES):
-        return  # store.connect names the scheme it does not know
-    try:
-        parts = urlsplit(uri)
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        return  # the client names what is wrong with the address
-    if not host or port is None:
-        return
-    try:
-        with socket.create_connection((host, port), timeout=5):
-            pass
-    except ConnectionRefusedError:
-        raise click.ClickException(
-            f"no expstore server listens at {host}:{port} (connection refused); start one with "
-            f"`expstore serve --port {port}`, or check --uri / EXPSTORE_URI") from None
-    except socket.gaierror as e:
-        raise click.ClickException(f"the host {host!r} of {uri} is unknown ({e.strerror}); "
-                                   "check --uri / EXPSTORE_URI") from None
-    except OSError:
-        return  # unreachable or slow: the client waits for it and says so
-
-
-def db_option(f: Callable) -> Callable:
-    return click.option("--db", default=DEFAULT_DB, show_default=True, envvar="EXPSTORE_DB",
-                        type=click.Path(dir_okay=False),
-                        help="Embedded store: the DuckDB file [env EXPSTORE_DB].")(f)
-
-
-def store_options(create: bool = False) -> Callable[[Callable], Callable]:
-    """``--db`` / ``--uri`` / ``--token`` / ``--tls-root-certs``, passed on as ``target``.
-
-    ``create``: the command may create the embedded database file (otherwise a missing file is
-    an error rather than a new empty database in the working directory).
-    """
-    def decorator(f: Callable) -> Callable:
-        @functools.wraps(f)
-        def wrapper(*args: Any, db: str, uri: str | None, token: str | None,
-                    tls_root_certs: str | None, **kwargs: Any) -> Any:
-            ctx = click.get_current_context()
-            src = ctx.get_parameter_source
-            explicit_db = src("db") == click.core.ParameterSource.COMMANDLINE
-            explicit_uri = src("uri") == click.core.ParameterSource.COMMANDLINE
-            if uri and explicit_db and explicit_uri:
-                raise click.UsageError("give --db (embedded) or --uri (a server), not both")
-            if explicit_db and not explicit_uri:
-                uri = None  # an explicit --db beats EXPSTORE_URI from the environment
-            target = Target(db=db, uri=uri or None, token=token, tls_root_certs=tls_root_certs,
-                            create=create)
-            return f(*args, target=target, **kwargs)
-
-        for option in reversed([
-            db_option,
-            click.option("--uri", envvar="EXPSTORE_URI", metavar="grpc://HOST:PORT",
-                         help="Remote store: a running server [env EXPSTORE_URI]."),
-            click.option("--token", envvar="EXPSTORE_TOKEN",
-                         help="Bearer token for a server with auth on [env EXPSTORE_TOKEN]."),
-            click.option("--tls-root-certs", envvar="EXPSTORE_TLS_ROOT_CERTS",
-                         type=click.Path(exists=True, dir_okay=False),
-                         help="PEM file to trust a grpc+tls:// server's certificate."),
-        ]):
-            wrapper = option(wrapper)
-        return wrapper
-    return decorator
-
-
-json_option = click.option("--json", "as_json", is_flag=True,
-                           help="Print JSON (for scripts) instead of aligned columns.")
 
 
 # -- the group ----------------------------------------------------------------------------------------
@@ -206,13 +60,6 @@ def cli() -> None:
     """
 
 
-def _size_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
-    try:
-        return parse_size(value)
-    except InvalidArgument as e:
-        raise click.BadParameter(str(e)) from e
-
-
 # -- serve / migrate ------------------------------------------------------------------------------
 @cli.command()
 @db_option
@@ -226,7 +73,7 @@ def _size_option(ctx: click.Context, param: click.Parameter, value: str) -> int:
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="PEM private key.")
 @click.option("--memory-limit", metavar="SIZE", help="DuckDB memory limit, e.g. 4GB.")
 @click.option("--cache-limit", metavar="SIZE", default=DEFAULT_CACHE_LIMIT, show_default=True,
-              callback=_size_option,
+              callback=size_option,
               help="Memory for ready rows' values kept so that claims need no DuckDB read, e.g. "
                    "512MB. Rows put while it is full are claimed from DuckDB (0: all rows but "
                    "those of the put log not yet applied to DuckDB).")
@@ -790,89 +637,7 @@ def gc(target: Target, as_json: bool) -> None:
         click.echo(format_pairs(list(result.items())))
 
 
-# -- cluster: scale-out on Ray ------------------------------------------------------------------
-@cli.group()
-def cluster() -> None:
-    """Run expstore over a Ray cluster: a coordinator and a data node per Ray node.
-
-    Needs Ray (pip install 'expstore[cluster]'); see docs/scale-out.md.
-
-    \b
-    Example:
-        expstore cluster up --address auto --db /data/expstore.duckdb --data-dir /local/expstore
-        expstore cluster down --address auto
-    """
-
-
-@cluster.command("up")
-@click.option("--address", default="auto", show_default=True,
-              help="The Ray cluster to join (as ray.init's address).")
-@click.option("--db", default=DEFAULT_DB, show_default=True,
-              help="The coordinator's DuckDB file, on this machine.")
-@click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(1, 65535),
-              help="The coordinator's port (fixed: a restarted coordinator keeps its address).")
-@click.option("--data-dir", default="./expstore-data", show_default=True,
-              help="Each data node keeps its values under DATA_DIR/<node id> on its machine.")
-@click.option("--node-timeout", default=6.0, show_default=True, type=click.FloatRange(min=0.5),
-              help="Seconds without a data node's heartbeat before it is probed (and lost).")
-@click.option("--tokens-file", type=click.Path(exists=True, dir_okay=False),
-              help="JSON tokens file turning on bearer-token auth on the coordinator and every "
-                   "data node; they call each other with its first admin token.")
-@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False),
-              help="PEM certificate; with --tls-key every server of the cluster serves TLS "
-                   "(it must name every machine's address).")
-@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), help="PEM private key.")
-@click.option("--tls-root-certs", type=click.Path(exists=True, dir_okay=False),
-              help="PEM roots the servers trust when calling each other (a self-signed "
-                   "--tls-cert is its own root; default: the system's).")
-@click.option("--gc-grace", default=3600.0, show_default=True, type=click.FloatRange(min=0),
-              help="gc leaves on the data nodes segments written in the last GC_GRACE seconds "
-                   "(a put's keys may still be on their way to the coordinator).")
-@json_option
-def cluster_up_command(address: str, db: str, port: int, data_dir: str, node_timeout: float,
-                       tokens_file: str | None, tls_cert: str | None, tls_key: str | None,
-                       tls_root_certs: str | None, gc_grace: float, as_json: bool) -> None:
-    """Start the coordinator here and a data node on every Ray node (detached actors).
-
-    \b
-    Example:
-        expstore cluster up --address auto --db /data/expstore.duckdb --port 8815
-        expstore cluster up --tokens-file tokens.json --tls-cert cert.pem --tls-key key.pem \\
-            --tls-root-certs cert.pem
-    """
-    if bool(tls_cert) != bool(tls_key):
-        raise click.UsageError("TLS needs both --tls-cert and --tls-key")
-    from flight_server.cluster.ray_cluster import cluster_up
-    with _errors():
-        handle = cluster_up(address, db=db, port=port, data_dir=data_dir,
-                            node_timeout=node_timeout, detached=True, tokens_file=tokens_file,
-                            tls_cert=tls_cert, tls_key=tls_key, tls_root_certs=tls_root_certs,
-                            gc_grace=gc_grace)
-    info = {"coordinator": handle.uri, "data_nodes": len(handle.datanodes)}
-    if as_json:
-        echo_json(info)
-    else:
-        click.echo(format_pairs(list(info.items())))
-
-
-@cluster.command("down")
-@click.option("--address", default="auto", show_default=True,
-              help="The Ray cluster (as ray.init's address).")
-@json_option
-def cluster_down_command(address: str, as_json: bool) -> None:
-    """Stop the coordinator and data nodes (their files stay on disk).
-
-    \b
-    Example:
-        expstore cluster down --address auto
-    """
-    from flight_server.cluster.ray_cluster import cluster_down
-    with _errors():
-        killed = cluster_down(address)
-    if as_json:
-        echo_json({"stopped": killed})
-    else:
-        click.echo(f"stopped {len(killed)} actor(s)")
+cli.add_command(cluster)
 
 
 # -- demo / bench: entry points owned by other packages ---------------------------------------
