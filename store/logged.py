@@ -19,7 +19,7 @@ from .blobs import BlobStore
 from .index import StoreIndex
 from .live import LiveTable
 from .ops import Txn
-from .putlog import LeaseUpdate, PutLog, Record, encode
+from .putlog import LeaseUpdate, PutLog, Record, encode, record_rows
 from .settings import StoreSettings
 
 log = logging.getLogger("expstore.writer")
@@ -115,7 +115,7 @@ class LoggedChanges:
         self._failing = False
         self.records.extend(txn.logged)
         self._values.extend(txn.logged_values)
-        self.rows += sum(rows.num_rows for _, _, rows in txn.logged)
+        self.rows += sum(record_rows(r) for r in txn.logged)
         if self._since is None:
             self._since = time.monotonic()
         return True

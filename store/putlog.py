@@ -13,7 +13,9 @@ that, so SQL sees every acknowledged change.
 The file ``<database>.putlog`` holds the changes logged since the last materialization: records
 of a 32-byte header (magic, header length, body length, XXH3-64 of both), a JSON header (the kind
 of change and what it names) and a body, an Arrow IPC stream (the rows to insert, in the table's
-own column names; the rows an ack consumes; the rows a bump makes stale). After the COMMIT that
+own column names; the rows a bump makes stale). An ack's record has no body: the rows it consumes
+are lists in its header (:func:`ack_record`; logs written before that carry them as a body, and
+still replay). After the COMMIT that
 applies them the file is cut back to empty. On open, :func:`replay` applies what a crash left
 there. Applying a record twice changes nothing (a COMMIT whose cut did not happen): rows whose key
 DuckDB already has are not inserted again, an ack or a bump writes the same values again. A torn
@@ -26,6 +28,7 @@ import json
 import logging
 import os
 import struct
+import time
 from typing import Any, Iterator, NamedTuple
 
 import duckdb
@@ -43,11 +46,16 @@ _HEADER = struct.Struct("<8sIIQQ")  # magic, header length, 0 (reserved), body l
 
 log = logging.getLogger("expstore.putlog")
 
-#: (kind, header, body): kind "rows" {"table"} / rows to insert; "ack" {"table"} / row_id,
-#: delivery_count, consumed_version, lease_id, lease_owner, updated_at; "leases" {"table"} /
-#: lease bookkeeping (LEASE_COLUMNS); "bump" {"group", "version", "weights_uri", "at"} /
-#: table, row_id of the rows it makes stale.
-Record = tuple[str, dict[str, Any], pa.Table]
+#: (kind, header, body): kind "rows" {"table"} / rows to insert; "ack" {"table", and the
+#: ACK_SCHEMA columns: see ack_record} / None (logs of earlier versions: {"table"} / the
+#: ACK_SCHEMA columns); "leases" {"table"} / lease bookkeeping (LEASE_COLUMNS); "bump" {"group",
+#: "version", "weights_uri", "at"} / table, row_id of the rows it makes stale.
+Record = tuple[str, dict[str, Any], pa.Table | None]
+
+#: The rows an ack consumes, as its UPDATE reads them.
+ACK_SCHEMA = pa.schema([("row_id", pa.int64()), ("delivery_count", pa.int32()),
+                        ("consumed_version", pa.int64()), ("lease_id", pa.string()),
+                        ("lease_owner", pa.string()), ("updated_at", pa.timestamp("us", "UTC"))])
 
 
 
@@ -73,6 +81,28 @@ class LeaseUpdate(NamedTuple):
 # The DuckDB column (and its type) of each LeaseUpdate field, in the same order.
 LEASE_COLUMNS = tuple(zip(LeaseUpdate._fields, (
     "BIGINT", "BOOLEAN", "VARCHAR", "VARCHAR", "TIMESTAMPTZ", "INTEGER", "BOOLEAN", "BOOLEAN")))
+
+
+def ack_record(table: str, row_ids: list[int], deliveries: list[int], version: int,
+               lease_id: str, owner: str) -> Record:
+    """The rows an ack consumes in ``table``, as the put log holds them: their ids and delivery
+    counts as lists in the record's JSON header, with the version, the lease and the time once;
+    no body.
+
+    Why not a body of Arrow rows (as logs of earlier versions hold acks, still read): building
+    and serialising a small Arrow table per ack was the larger part of what an ack cost the
+    writer before its ``fdatasync``, on the path of every waited ack. The acks that wait for
+    DuckDB become one table when they are applied (:func:`apply_records`).
+    """
+    return ("ack", {"table": table, "row_id": row_ids, "delivery_count": deliveries,
+                    "consumed_version": version, "lease_id": lease_id, "lease_owner": owner,
+                    "updated_at": time.time_ns() // 1000}, None)
+
+
+def record_rows(record: Record) -> int:
+    """The rows a record inserts or changes."""
+    _, header, rows = record
+    return len(header["row_id"]) if rows is None else rows.num_rows
 
 
 def log_path(database: str) -> str:
@@ -147,7 +177,7 @@ def encode(records: list[Record]) -> memoryview:
     parts: list[bytes] = []
     for kind, header, rows in records:
         head = json.dumps({"kind": kind, **header}).encode()
-        body = ipc_stream(rows)
+        body = b"" if rows is None else ipc_stream(rows)
         digest = xxhash.xxh3_64(head)
         digest.update(body)
         parts += [_HEADER.pack(MAGIC, len(head), 0, len(body), digest.intdigest()), head, body]
@@ -173,8 +203,11 @@ def read_records(path: str) -> Iterator[Record]:
         if check.intdigest() != digest:
             break
         header = json.loads(data[start:start + hlen])
-        with pa.ipc.open_stream(pa.py_buffer(data[start + hlen:end])) as reader:
-            yield str(header.pop("kind")), header, reader.read_all()
+        if not blen:  # an ack's lists in its header (ack_record)
+            yield str(header.pop("kind")), header, None
+        else:
+            with pa.ipc.open_stream(pa.py_buffer(data[start + hlen:end])) as reader:
+                yield str(header.pop("kind")), header, reader.read_all()
         at = end
     if at < len(data):
         log.warning("put log %r: %d bytes after the last whole record ignored (a write the "
@@ -198,14 +231,19 @@ def apply_records(con: duckdb.DuckDBPyConnection, records: list[Record],
     # Per table, its rows grouped by schema (compared with equals: hashing a schema as wide as
     # a store table's, once per record, was a large part of an apply of one-row puts).
     inserts: dict[str, list[tuple[pa.Schema, list[pa.Table]]]] = {}
-    acks: dict[str, list[pa.Table]] = {}
+    acks: dict[str, list[pa.Table | dict[str, Any]]] = {}
     leases: dict[str, list[pa.Table]] = {}
     bumps: list[tuple[dict[str, Any], pa.Table]] = []
     for kind, header, rows in records:
-        if kind == "bump":
-            bumps.append((header, rows))
-        elif kind not in ("rows", "ack", "leases"):
+        if kind not in ("rows", "ack", "leases", "bump"):
             raise StorageError(f"the put log holds a change of unknown kind {kind!r}")
+        if kind == "ack":
+            if header["table"] in tables:
+                acks.setdefault(header["table"], []).append(header if rows is None else rows)
+        elif rows is None:  # (only an ack's record has no body)
+            raise StorageError(f"the put log holds a {kind!r} change without its rows")
+        elif kind == "bump":
+            bumps.append((header, rows))
         elif header["table"] not in tables:
             continue
         elif kind == "rows":
@@ -218,13 +256,13 @@ def apply_records(con: duckdb.DuckDBPyConnection, records: list[Record],
             else:
                 shapes.append((schema, [rows]))
         else:
-            (acks if kind == "ack" else leases).setdefault(header["table"], []).append(rows)
+            leases.setdefault(header["table"], []).append(rows)
     inserted = 0
     for table, shapes in inserts.items():
         for _, parts in shapes:
             inserted += _insert(con, table, _one(parts), replaying)
-    for table, parts in acks.items():
-        _ack(con, table, _one(parts))
+    for table, acked in acks.items():
+        _ack(con, table, _acked(acked))
     for table, parts in leases.items():
         rows = _one(parts)
         if len(parts) > 1:  # the last entry of each row
@@ -241,6 +279,23 @@ def apply_records(con: duckdb.DuckDBPyConnection, records: list[Record],
 def _one(parts: list[pa.Table]) -> pa.Table:
     """One table of one chunk: DuckDB scans a table of many one-row chunks far slower."""
     return parts[0] if len(parts) == 1 else pa.concat_tables(parts).combine_chunks()
+
+
+def _acked(acks: list[pa.Table | dict[str, Any]]) -> pa.Table:
+    """The rows some acks consumed as one table (ACK_SCHEMA): from the headers of
+    :func:`ack_record`'s records, and the bodies of an earlier version's."""
+    tables = [a for a in acks if isinstance(a, pa.Table)]
+    listed = [a for a in acks if isinstance(a, dict)]
+    if listed:
+        counts = [len(h["row_id"]) for h in listed]
+
+        def each(field: str) -> list[Any]:  # one value per ack, for each of its rows
+            return [h[field] for h, n in zip(listed, counts) for _ in range(n)]
+        tables.append(pa.Table.from_arrays([
+            pa.array([i for h in listed for i in h["row_id"]], pa.int64()),
+            pa.array([d for h in listed for d in h["delivery_count"]], pa.int32()),
+            *(pa.array(each(f.name), f.type) for f in list(ACK_SCHEMA)[2:])], schema=ACK_SCHEMA))
+    return _one(tables)
 
 
 def _insert(con: duckdb.DuckDBPyConnection, table: str, rows: pa.Table, replaying: bool) -> int:

@@ -17,8 +17,9 @@ from .index import StoreIndex
 from .live import LiveTable, Row
 from .naming import quote
 from .ops import BumpOp, SettleOp, Txn
-from .putlog import LEASE_COLUMNS, LeaseUpdate, Record, apply_records, lease_table, lease_update
-from .sources import ListColumns, now_column, row_source
+from .putlog import (LEASE_COLUMNS, LeaseUpdate, Record, ack_record, apply_records, lease_table,
+                     lease_update)
+from .sources import ListColumns, row_source
 
 
 def settle(con: duckdb.DuckDBPyConnection, index: StoreIndex, txn: Txn,
@@ -34,15 +35,9 @@ def settle(con: duckdb.DuckDBPyConnection, index: StoreIndex, txn: Txn,
         if op.ack:
             # The claim's lease columns may not be flushed yet (and never will be once the
             # row is consumed), so the ack writes the delivery count and owner itself.
-            version = index.version_of(index.live[tname])
-            n = len(rows)
-            record(con, index, txn, ("ack", {"table": tname}, pa.table({
-                "row_id": pa.array([r.row_id for r, _ in rows], pa.int64()),
-                "delivery_count": pa.array([r.deliveries for r, _ in rows], pa.int32()),
-                "consumed_version": pa.array([version] * n, pa.int64()),
-                "lease_id": pa.array([lease.claim_id] * n, pa.string()),
-                "lease_owner": pa.array([lease.owner] * n, pa.string()),
-                "updated_at": now_column(n)})))
+            record(con, index, txn, ack_record(
+                tname, [r.row_id for r, _ in rows], [r.deliveries for r, _ in rows],
+                index.version_of(index.live[tname]), lease.claim_id, lease.owner))
             continue
         nacked: ListColumns = {"row_id": ("BIGINT", [r.row_id for r, _ in rows]),
                                "delivery_count": ("INTEGER", [r.deliveries for r, _ in rows]),

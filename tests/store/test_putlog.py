@@ -21,7 +21,7 @@ import store
 from conftest import SLOW_INSERTS
 from waiting import wait_until
 from store.errors import StaleVersion
-from store.putlog import PutLog, Record, log_path, read_records
+from store.putlog import PutLog, Record, ack_record, log_path, read_records
 from store import checkpoints
 from store.settings import StoreSettings
 
@@ -367,6 +367,61 @@ def test_replaying_acks_and_bumps_twice_changes_nothing(db_path, slow_inserts):
                    "FROM t ORDER BY sample_id").to_pylist() == before
     assert s.query("SELECT count(*) AS n FROM _expstore_versions").column(0).to_pylist() == [2]
     assert s.get_version("t") == 1
+
+
+def _row_ids(s) -> dict[str, int]:
+    got = s.query("SELECT sample_id, row_id FROM t").to_pydict()
+    return dict(zip(got["sample_id"], got["row_id"]))
+
+
+def test_an_ack_is_logged_as_lists_in_its_header(db_path, slow_inserts):
+    """An ack's record carries the rows it consumes as lists in its JSON header and has no
+    body: no Arrow table is built and serialised per ack."""
+    s = slow_inserts()
+    s.create_table("t", COLUMNS)
+    for i in range(3):
+        s.put("t", [_row(i)])
+    ids = _row_ids(s)  # (the read inserts the rows: the ack is logged on its own)
+    claim = s.claim("t", 2, consumer="trainer-1")
+    s.ack(claim.claim_id)
+    ((kind, header, body),) = _logged_records(db_path)
+    assert (kind, body) == ("ack", None)
+    at = header.pop("updated_at")
+    assert isinstance(at, int) and at > 0
+    assert header == {"table": "t", "row_id": [ids["q0_0_0"], ids["q1_0_0"]],
+                      "delivery_count": [1, 1], "consumed_version": 0,
+                      "lease_id": claim.claim_id, "lease_owner": "trainer-1"}
+
+
+def test_acks_logged_as_rows_by_an_earlier_version_still_replay(db_path, slow_inserts):
+    """A put log left by a crash of an earlier version holds an ack's rows as an Arrow body;
+    it replays beside acks logged as header lists, each row consumed as its record says."""
+    s = slow_inserts()
+    s.create_table("t", COLUMNS)
+    for i in range(3):
+        s.put("t", [_row(i)])
+    ids = _row_ids(s)
+    s.close()
+    old = pa.table({"row_id": pa.array([ids["q0_0_0"], ids["q1_0_0"]], pa.int64()),
+                    "delivery_count": pa.array([1, 2], pa.int32()),
+                    "consumed_version": pa.array([0, 0], pa.int64()),
+                    "lease_id": pa.array(["c-old", "c-old"]),
+                    "lease_owner": pa.array(["old", "old"]),
+                    "updated_at": pa.array([1_700_000_000_000_000] * 2,
+                                           pa.timestamp("us", "UTC"))})
+    _append(db_path, [("ack", {"table": "t"}, old),
+                      ack_record("t", [ids["q2_0_0"]], [3], 0, "c-new", "new")])
+    s = slow_inserts()
+    got = s.query("SELECT sample_id, consumed, delivery_count, lease_id, lease_owner FROM t "
+                  "ORDER BY sample_id").to_pylist()
+    assert got == [
+        {"sample_id": "q0_0_0", "consumed": True, "delivery_count": 1, "lease_id": "c-old",
+         "lease_owner": "old"},
+        {"sample_id": "q1_0_0", "consumed": True, "delivery_count": 2, "lease_id": "c-old",
+         "lease_owner": "old"},
+        {"sample_id": "q2_0_0", "consumed": True, "delivery_count": 3, "lease_id": "c-new",
+         "lease_owner": "new"}]
+    assert s.stats("t")["t"]["ready"] == 0
 
 
 def test_logged_changes_of_one_row_apply_in_log_order(db_path, slow_inserts):
