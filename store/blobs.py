@@ -687,22 +687,25 @@ class BlobStore:
         # built from the numbers read: a key spelled any other way differs from it
         if not names_rows(keys, ":".join(map(str, ck)), first):
             return None
-        return self._rows(ck, list(range(first, first + len(keys))), value_type)  # type: ignore[arg-type]
+        return self._rows(ck, range(first, first + len(keys)), value_type)  # type: ignore[arg-type]
 
-    def _rows(self, ck: tuple[int, int, int], rows: list[int],
+    def _rows(self, ck: tuple[int, int, int], rows: Sequence[int],
               value_type: pa.DataType) -> pa.Array:
         """Rows ``rows`` of chunk ``ck``, in that order, as ``value_type``: from memory where the
-        chunk is held, by its index (format 3), else from the whole chunk."""
+        chunk is held, by its index (format 3), else from the whole chunk. ``rows`` may be a
+        ``range`` (a run of keys in order), bounds-checked and cut without a step per row."""
         with self._cache_lock:
             held = self._recent.get(ck)
         index = self._index(*ck) if held is None else None
         whole = held[0] if held is not None else \
             self._chunk(*ck) if index is None else None
         size = index.rows if index is not None else len(whole)  # type: ignore[arg-type]
-        if min(rows) < 0 or max(rows) >= size:
+        low, high = (rows[0], rows[-1]) if isinstance(rows, range) and rows.step == 1 \
+            else (min(rows), max(rows))
+        if low < 0 or high >= size:
             raise StorageError(f"blob key row out of range in chunk {ck}")
         if whole is None:
-            piece = self._read_rows(ck, index, rows)
+            piece = self._read_rows(ck, index, list(rows))
         else:
             piece = cut(whole, rows)
         return piece if piece.type == value_type else piece.cast(value_type)

@@ -21,7 +21,6 @@ import pyarrow as pa
 from .blobs import BlobStore
 from .errors import QueryBusy, QueryRefused, QueryTimeout, StorageError, StoreClosed
 from .index import StoreIndex
-from .naming import quote
 from .sqlvalues import ValueCursor, ValueViews
 
 
@@ -156,12 +155,13 @@ class Readers:
         values = self.value_cursor()
         cursor = values.cursor
         values.take_error()
-        if stored is not None:
-            sql = f"SELECT * FROM {quote(values.database)}.main.{quote(stored)}"
         timer = threading.Timer(left, cursor.interrupt)
         timer.daemon = True
         timer.start()
         try:
+            if stored is not None:
+                # The store's own SELECT of one table: no user SQL to fence in a transaction.
+                return values.stored_relation(stored).to_arrow_table()
             # The second layer under the SQL guard: the engine itself refuses any write in a
             # read-only transaction, whatever syntax slips past the guard.
             cursor.execute("BEGIN TRANSACTION READ ONLY")

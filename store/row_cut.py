@@ -93,6 +93,8 @@ def runs_of(rows: Sequence[int]) -> list[tuple[int, int]] | None:
     """``(first row, length)`` of each run of consecutive rows, or None past :data:`MAX_RUNS`
     (a loop: for the few dozen rows of a claim, faster than numpy's calls)."""
     first = rows[0]
+    if isinstance(rows, range) and rows.step == 1:
+        return [(first, len(rows))]
     if rows[-1] - first == len(rows) - 1 and list(rows) == list(range(first, first + len(rows))):
         return [(first, len(rows))]
     runs: list[tuple[int, int]] = []

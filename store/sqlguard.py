@@ -86,8 +86,18 @@ def check_sql_text(sql: object) -> str:
 
 
 def check_select(sql: object) -> str:
-    """Return ``sql`` if it is one read-only SELECT; raise :class:`QueryRefused` otherwise."""
+    """Return ``sql`` if it is one read-only SELECT; raise :class:`QueryRefused` otherwise.
+
+    The verdict depends on the text alone, so a text that passed is remembered (as its parse
+    tree is): a caller repeating a query (a trainer's or an exporter's loop) is checked once.
+    A refused text is checked again each time."""
     sql = check_sql_text(sql)
+    _checked_select(sql)
+    return sql
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_select(sql: str) -> None:
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.Error as e:
@@ -122,7 +132,6 @@ def check_select(sql: object) -> str:
         if lowered.startswith(DENIED_FUNCTION_PREFIXES):
             raise QueryRefused(f"function {name!r} is refused on the query path (file, "
                                "environment or SQL-from-string access)")
-    return sql
 
 
 def check_predicate(where: object) -> str:

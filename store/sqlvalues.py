@@ -30,6 +30,7 @@ was, instead of the text DuckDB wraps it in.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import threading
@@ -62,6 +63,20 @@ class ValueCursor:
         self.views: dict[str, str] = {}         # table -> the view's SELECT
         self.resolvers: dict[str, str] = {}     # value type -> function name
         self.errors: list[StorageError] = []    # blob errors of the query running on it
+        # table -> the relation reading it whole as stored (see stored_relation)
+        self.relations: dict[str, duckdb.DuckDBPyRelation] = {}
+
+    def stored_relation(self, table: str) -> duckdb.DuckDBPyRelation:
+        """The relation reading ``table`` whole as stored (keys, no values), kept until the
+        catalog changes (:meth:`ValueViews.refresh`). Why: binding ``SELECT *`` of a wide table
+        cost about a third of reading its rows; a relation reads the table as it is each time
+        it runs."""
+        relation = self.relations.get(table)
+        if relation is None:
+            relation = self.cursor.sql(f"SELECT * FROM {quote(self.database)}.main."
+                                       f"{quote(table)}")
+            self.relations[table] = relation
+        return relation
 
     def take_error(self) -> StorageError | None:
         """The first blob error of the last query (and forget them all)."""
@@ -88,6 +103,7 @@ class ValueViews:
         """Bring ``vc``'s views in line with ``tables`` (the catalog as of change ``ddl_seq``)."""
         if vc.seen_ddl == ddl_seq:
             return
+        vc.relations.clear()
         wanted = {t.name: self._view_sql(vc, t) for t in tables if any(c.ref for c in t.columns)}
         for name in [n for n in vc.views if n not in wanted]:
             vc.cursor.execute(f"DROP VIEW IF EXISTS temp.main.{quote(name)}")
@@ -165,6 +181,7 @@ _BARE_STAR: dict[str, object] = {
     "qualified_exclude_list": [], "rename_list": []}
 
 
+@functools.lru_cache(maxsize=256)
 def whole_table(sql: str) -> str | None:
     """The table ``sql`` reads whole, when it is exactly ``SELECT * FROM <table>`` (no filter,
     order, limit, other column or clause), else None.
@@ -173,7 +190,8 @@ def whole_table(sql: str) -> str | None:
     the stored table (keys in place of values) and cut the values afterwards, by row number
     from the chunks they are in (:meth:`BlobStore.resolve_keys`), instead of DuckDB taking each
     value in through the resolver and handing it out again: most of such a query's time, and
-    a copy of every value twice."""
+    a copy of every value twice. (A function of the text alone: remembered per text, as
+    the guard's verdict is.)"""
     try:
         tree = parse_tree(sql)
         (statement,) = tree["statements"]

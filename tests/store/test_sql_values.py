@@ -339,3 +339,29 @@ def test_a_whole_table_is_read_as_stored_and_its_values_cut_afterwards(embedded_
     assert whole.num_rows == ROWS + 200 and "response__ref" not in whole.column_names
     assert sorted(whole.column("note").to_pylist(), key=str) == sorted(
         [f"n{i}" for i in range(ROWS)] + [f"m{i}" if i % 3 else None for i in range(200)], key=str)
+
+
+def test_a_whole_table_read_again_sees_what_changed_since(embedded_store):
+    """The read of a whole table as stored is kept per cursor between queries: it must show
+    each query the table as it is then (rows put and consumed since, a table dropped and
+    created again with other columns), never what an earlier query read."""
+    s = embedded_store
+    _fill(s)
+    first = s.query("SELECT * FROM t")
+    assert first.num_rows == ROWS and not any(first.column("consumed").to_pylist())
+    s.put("t", {"sample_id": ["late_0_0"], "response": [BIG], "note": ["late"],
+                "ids": [[1, 2]], "tt": tensors.to_arrow([np.zeros(3, np.float32)]),
+                "reward": [9.0]})
+    claim = s.claim("t", 2)
+    s.ack(claim.claim_id)
+    again = s.query("SELECT * FROM t")
+    assert again.num_rows == ROWS + 1
+    assert sorted(again.column("note").to_pylist()) == sorted(
+        [f"n{i}" for i in range(ROWS)] + ["late"])
+    assert again.column("consumed").to_pylist().count(True) == 2
+    s.drop_table("t")
+    s.create_table("t", {"answer": "string"}, storage={"answer": "ref"})
+    s.put("t", {"sample_id": ["a_0_0"], "answer": ["forty-two"]})
+    last = s.query("SELECT * FROM t")
+    assert last.column("answer").to_pylist() == ["forty-two"]
+    assert "note" not in last.column_names
