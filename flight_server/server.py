@@ -41,6 +41,10 @@ from .session import ActionSession
 
 log = logging.getLogger("expstore.server")
 
+# The IPC options of the record-batch streams do_get answers with (claims, queries): given, so
+# that pyarrow does not read its legacy-format settings from the environment on every call.
+STREAM_OPTIONS = pa.ipc.IpcWriteOptions()
+
 # Batches of one do_put committed concurrently: later batches are queued to the writer while
 # earlier ones are committing, so a stream runs at group-commit speed, not one fsync per batch,
 # and the writer commits many batches as one DuckDB transaction, whose COMMIT costs less per
@@ -245,14 +249,15 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         with flight_errors(), self.metrics.timed("do_get"):
             sql = wire.sql_ticket(doc, self.store.query_timeout)
             result = self.store.query(sql.sql, sql.params, timeout=sql.timeout)
-            return flight.RecordBatchStream(result)
+            return flight.RecordBatchStream(result, options=STREAM_OPTIONS)
 
     def _claim_stream(self, principal: Principal, doc: dict[str, Any]) -> flight.FlightDataStream:
         """A ticket ``{"claim": {<claim body>}}``: the claim action, answered as a stream."""
         with flight_errors(), self.metrics.timed("claim"):
             principal.require("writer", "do_get claim")
             body = wire.claim_ticket(doc).body
-            return flight.RecordBatchStream(claim_stream_table(self.store, body))
+            return flight.RecordBatchStream(claim_stream_table(self.store, body),
+                                            options=STREAM_OPTIONS)
 
     # -- subscriptions --------------------------------------------------------------------------
     def do_exchange(self, context: flight.ServerCallContext,

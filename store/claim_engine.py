@@ -10,7 +10,8 @@ claims), and by-reference values are read from the blob store.
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+import weakref
+from typing import Callable, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -50,6 +51,8 @@ class ClaimEngine:
         self._blobs = blobs
         self._settings = settings
         self._poke = poke
+        # id of a cached put -> (a weak reference to it, its PutLayout)
+        self._layouts: dict[int, tuple[weakref.ref, PutLayout]] = {}
 
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:
@@ -151,24 +154,40 @@ class ClaimEngine:
     def _fetch(self, live: LiveTable, rows: list[Row]) -> pa.Table:
         """The claim's rows, from the claim cache where possible, else from DuckDB."""
         tdef = live.tdef
-        payloads = [r.payload for r in rows]
-        missing = [i for i, p in enumerate(payloads) if p is None or p is LOADING]
-        if missing:
-            loaded = self._read_values(live, [rows[i] for i in missing])
-            for i in missing:
-                payloads[i] = loaded.get(rows[i].row_id)
-        first = payloads[0]
-        if first is not None and all(p is not None and p[0] is first[0] for p in payloads):
-            # every row from one cached put (the usual case)
-            columns = self._one_put_columns(live, first[0],
-                                            RowCut([p[1] for p in payloads]))  # type: ignore[index]
-        else:
-            columns = self._columns(live, self._sources(live, rows, payloads))
+        columns = self._cached_put_columns(live, rows)
+        if columns is None:
+            payloads = [r.payload for r in rows]
+            missing = [i for i, p in enumerate(payloads) if p is None or p is LOADING]
+            if missing:
+                loaded = self._read_values(live, [rows[i] for i in missing])
+                for i in missing:
+                    payloads[i] = loaded.get(rows[i].row_id)
+            first = payloads[0]
+            if first is not None and all(p is not None and p[0] is first[0] for p in payloads):
+                columns = self._one_put_columns(live, first[0],
+                                                RowCut([p[1] for p in payloads]))  # type: ignore[index]
+            else:
+                columns = self._columns(live, self._sources(live, rows, payloads))
         deliveries = [r.deliveries for r in rows]
         delivery_count = (_first_deliveries(len(rows)) if deliveries.count(1) == len(rows)
                           else pa.array(deliveries, pa.int32()))
         return pa.Table.from_arrays([delivery_count if at < 0 else columns[at]
                                      for at in live.claim_sources], schema=tdef.claim_schema())
+
+    def _cached_put_columns(self, live: LiveTable, rows: list[Row]) -> dict[int, pa.Array] | None:
+        """The claim's columns when every row's values are cached from one put (the usual
+        case), found in one pass over the rows; else None."""
+        first = rows[0].payload
+        if first is None or first is LOADING:
+            return None
+        table = first[0]
+        at: list[int] = []
+        for r in rows:
+            p = r.payload
+            if p is None or p is LOADING or p[0] is not table:
+                return None
+            at.append(p[1])
+        return self._one_put_columns(live, table, RowCut(at))
 
     @staticmethod
     def _sources(live: LiveTable, rows: list[Row], payloads: list[tuple[pa.Table, int] | None]
@@ -195,19 +214,15 @@ class ClaimEngine:
         Why not the whole cached table cut at once: its keys and inline placeholders would be
         cut too, for nothing, where the put's chunks are held. A by-reference column whose
         values the put holds all inline (no key: a narrow table's short strings) is cut with
-        the plain ones: cutting its keys to find that out cost more than its values."""
-        plain, refs = live.claim_plain, live.claim_refs
-        if refs:
-            rows_put = table.num_rows
-            inline = [value_at for value_at, key_at in refs
-                      if table.column(key_at).null_count == rows_put]
-            if inline:
-                plain = plain + inline
-                refs = [ref for ref in refs if ref[0] not in inline]
-        columns = dict(zip(plain, rows.columns(table.select(plain))))
-        schema = table.schema
-        held = self._blobs.put_columns(table, [key_at for _, key_at in refs], rows,
-                                       [schema.field(value_at).type for value_at, _ in refs])
+        the plain ones: cutting its keys to find that out cost more than its values. How a
+        put's columns divide so is worked out once per put (:class:`PutLayout`)."""
+        layout = self._layout(live, table)
+        plain = layout.plain
+        cut = rows.rows_of(plain).columns if isinstance(plain, pa.RecordBatch) \
+            else rows.columns(plain)
+        columns = dict(zip(layout.plain_at, cut))
+        refs = layout.refs
+        held = self._blobs.put_columns(table, layout.key_ats, rows, layout.value_types)
         for (value_at, key_at), got in zip(refs, held):
             if got is None:
                 keys = rows.array(table.column(key_at))
@@ -216,6 +231,18 @@ class ClaimEngine:
                     got = self._resolved(got, keys)
             columns[value_at] = got
         return columns
+
+    def _layout(self, live: LiveTable, table: pa.Table) -> "PutLayout":
+        """How a cached put's claim columns divide (see :class:`PutLayout`), worked out on its
+        first claim and kept while the put is cached (a cached put belongs to one table)."""
+        memo = id(table)
+        known = self._layouts.get(memo)
+        if known is not None and known[0]() is table:
+            return known[1]
+        layout = PutLayout.of(live, table)
+        self._layouts[memo] = (weakref.ref(table, lambda _: self._layouts.pop(memo, None)),
+                               layout)
+        return layout
 
     def _columns(self, live: LiveTable,
                  sources: dict[int, tuple[pa.Table, list[int], list[int]]]) -> dict[int, pa.Array]:
@@ -293,6 +320,43 @@ class ClaimEngine:
         if keys.null_count == 0:     # every value by reference: nothing to merge (if_else copies)
             return values
         return pc.if_else(pc.is_valid(keys), values, inline)
+
+
+class PutLayout(NamedTuple):
+    """How the claim columns of one cached put divide, the same for each of its claims.
+
+    Attributes:
+        plain_at: payload positions of the columns cut as they are: the plain ones, and the
+            by-reference ones whose values the put holds all inline (no key).
+        plain: those columns of the put (one record batch where the put is one).
+        refs: ``(value position, key position)`` of the by-reference columns read from the
+            blob store.
+        key_ats: their key positions.
+        value_types: their value types.
+    """
+
+    plain_at: list[int]
+    plain: pa.RecordBatch | pa.Table
+    refs: list[tuple[int, int]]
+    key_ats: list[int]
+    value_types: list[pa.DataType]
+
+    @classmethod
+    def of(cls, live: LiveTable, table: pa.Table) -> "PutLayout":
+        plain, refs = live.claim_plain, live.claim_refs
+        if refs:
+            rows_put = table.num_rows
+            inline = [value_at for value_at, key_at in refs
+                      if table.column(key_at).null_count == rows_put]
+            if inline:
+                plain = plain + inline
+                refs = [ref for ref in refs if ref[0] not in inline]
+        selected = table.select(plain)
+        batches = selected.to_batches()
+        schema = table.schema
+        return cls(plain, batches[0] if len(batches) == 1 else selected, refs,
+                   [key_at for _, key_at in refs],
+                   [schema.field(value_at).type for value_at, _ in refs])
 
 
 _ONES = pa.array(np.ones(1024, np.int32))

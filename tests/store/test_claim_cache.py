@@ -217,3 +217,19 @@ def test_a_write_during_a_read_ahead_keeps_its_values(open_store, monkeypatch):
     assert got[ahead][0] == "rewritten"
     assert {k: v for k, v in got.items() if k != ahead} == \
         {k: v for k, v in _by_id(data).items() if k != ahead}
+
+
+def test_puts_held_inline_and_by_reference_each_claim_their_own_values(open_store):
+    """How a cached put's columns divide (all of a by-reference column inline, or keys) is
+    kept per put: puts of both kinds, one after another, each freed once its rows are
+    consumed (so a later put's cached table may take its place in memory), claim their own
+    values."""
+    s = open_store()
+    _table(s)
+    for round_ in range(12):
+        long = round_ % 2 == 1
+        data = _rows(f"r{round_}x", 40)
+        data["note"] = [("long " * 200 if long else "short ") + f"{round_}.{i}"
+                        for i in range(40)]
+        s.put("t", data)
+        assert _claim_all(s, limit=16) == _by_id(data)
