@@ -19,9 +19,13 @@ import duckdb
 import pyarrow as pa
 
 from .blobs import BlobStore
+from .deadlines import Deadlines
 from .errors import QueryBusy, QueryRefused, QueryTimeout, StorageError, StoreClosed
 from .index import StoreIndex
 from .sqlvalues import ValueCursor, ValueViews
+
+# Every store's query time limits, on one thread (see store/deadlines.py).
+_DEADLINES = Deadlines("expstore-query-limits")
 
 
 @dataclass
@@ -155,9 +159,7 @@ class Readers:
         values = self.value_cursor()
         cursor = values.cursor
         values.take_error()
-        timer = threading.Timer(left, cursor.interrupt)
-        timer.daemon = True
-        timer.start()
+        limit = _DEADLINES.arm(left, cursor.interrupt)
         try:
             if stored is not None:
                 # The store's own SELECT of one table: no user SQL to fence in a transaction.
@@ -183,4 +185,4 @@ class Readers:
                 raise blob_error from e
             raise QueryRefused(f"query failed: {e}") from e
         finally:
-            timer.cancel()
+            _DEADLINES.cancel(limit)
