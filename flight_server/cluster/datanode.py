@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from store.blobs import BlobStore, serialize_chunk_buffer
+from store.blobs import BlobStore, Chunk, ColumnChunk, read_only, serialize_chunk_buffer
 from store.errors import InvalidArgument, NotFound, Unavailable
 from store.types import one_array, parse_type
 
@@ -140,16 +140,16 @@ class DataNodeServer(flight.FlightServerBase):
     def _store_batch(self, batch: pa.RecordBatch, replicas: int) -> dict[str, str]:
         """Write a batch's columns here (and on a peer for replicas=2); durable on return."""
         forward = self._forwarder.submit(self._forward, batch) if replicas == 2 else None
-        serialised = [serialize_chunk_buffer(one_array(col)) for col in batch.columns]
+        chunks = [_chunk_of(one_array(col)) for col in batch.columns]
         with self._write_lock:
             try:
-                prefixes = [self.blobs.append(c) for c in serialised]
+                prefixes = [self.blobs.append(c) for c in chunks]
                 self.blobs.sync()
             except BaseException:
                 self.blobs.rollback()
                 raise
-            self.counters["bytes_received"] += sum(len(c) for c in serialised)
-            self.counters["chunks_written"] += len(serialised)
+            self.counters["bytes_received"] += sum(len(c) for c in chunks)
+            self.counters["chunks_written"] += len(chunks)
         holders = [[Holder(self.node_id, p)] for p in prefixes]
         if forward is not None:
             peer_id, peer_chunks = forward.result()
@@ -303,6 +303,18 @@ _ACTIONS: dict[str, tuple[str, str]] = {
                          "grace_seconds}. Answer: {segments_removed, bytes_freed, segments}"),
 }
 _CHUNK = re.compile(r"[0-9]+:[0-9]+:[0-9]+")
+
+
+def _chunk_of(values: pa.Array) -> Chunk:
+    """A column of a received batch as a chunk to append: serialised by the blob store when it
+    writes it, into memory it reuses from one write to the next (and the values kept for reads
+    as they arrived), where nothing can change them meanwhile (read-only buffers, as a Flight
+    batch's are); else serialised now.
+
+    Why: serialising each column into new memory made the kernel fault in and zero that memory
+    on every put, and the write waited for the whole serialisation; written as a ColumnChunk,
+    one column is serialised while the one before it is written."""
+    return ColumnChunk(values) if read_only(values) else serialize_chunk_buffer(values)
 
 
 def _ring_after(node_id: str, peers: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -107,6 +107,25 @@ def test_values_go_to_the_producers_node_and_only_keys_to_the_coordinator(cluste
         assert 0 < counted["claim_bytes"] < moved / 50
 
 
+def test_a_data_node_serialises_a_puts_columns_as_it_writes_them(cluster):
+    """The node hands a received column to its blob store as it arrived, to be serialised as
+    it is written into memory the store reuses from one write to the next (with O_DIRECT), not
+    serialised into new memory of its own first; the values read back are the values put."""
+    node = cluster.nodes[1]
+    if not node.blobs._direct:
+        pytest.skip("the blob directory's filesystem refuses O_DIRECT (no reused buffers)")
+    with client(cluster, 1) as producer:
+        make_table(producer)
+        assert node.blobs._slots == [None, None]
+        producer.put("t", rows("a", 16))              # a 1 MB column: written from a slot
+        assert node.blobs._slots[0] is not None
+        claimed = producer.claim("t", 16).tables["t"]
+        assert sorted(claimed.column("response").to_pylist()) == \
+            sorted(rows("a", 16)["response"])
+        assert sorted(claimed.column("tokens").to_pylist()) == \
+            sorted(rows("a", 16)["tokens"])
+
+
 def test_a_claim_answer_names_the_data_nodes_that_hold_its_values(cluster):
     with client(cluster, 0) as p0, client(cluster, 2) as p2:
         make_table(p0)
