@@ -42,7 +42,7 @@ from ..client import SESSION_PUT_BYTES, RemoteStore
 from ..wire.errors import from_flight
 from ..session_client import Answer
 from ..subscriber import RemoteSubscription
-from .locations import parse_key, row_keys
+from .locations import parse_key, row_keys, row_numbers
 
 #: how long the list of data nodes is trusted before it is asked for again
 DIRECTORY_SECONDS = 5.0
@@ -228,7 +228,7 @@ class ClusterStore(RemoteStore):
         columns = [c for c in arrow.column_names if c in remote]
         if not columns or arrow.num_rows == 0:
             return arrow
-        values = pa.table({c: one_array(arrow.column(c)).cast(parse_type(remote[c]))
+        values = pa.table({c: _as_type(one_array(arrow.column(c)), parse_type(remote[c]))
                            for c in columns})
         tried: set[str] = set()
         while True:
@@ -239,10 +239,12 @@ class ClusterStore(RemoteStore):
             except (flight.FlightUnavailableError, flight.FlightTimedOutError):
                 tried.add(node["node_id"])   # gone meanwhile: the next one (the coordinator
                 self.cluster(refresh=True)   # learns it from the missing heartbeats)
+        numbers = row_numbers(arrow.num_rows)
         for c in columns:
-            keys = row_keys(chunks[c], arrow.num_rows)
-            keys = pc.if_else(pc.is_valid(values.column(c)), keys,
-                              pa.scalar(None, pa.large_string()))
+            keys = row_keys(chunks[c], numbers)
+            if values.column(c).null_count:       # no key where no value was written
+                keys = pc.if_else(pc.is_valid(values.column(c)), keys,
+                                  pa.scalar(None, pa.large_string()))
             arrow = arrow.set_column(arrow.schema.get_field_index(c), c, keys)
         return arrow
 
@@ -489,6 +491,11 @@ def _scatter(pieces: list[pa.Array], positions: list[np.ndarray], n: int,
     mask = order < 0
     take = pa.array(order, mask=mask) if mask.any() else pa.array(order)
     return values.take(take)
+
+
+def _as_type(values: pa.Array, value_type: pa.DataType) -> pa.Array:
+    """``values`` as the column's type (a cast only where they are not already)."""
+    return values if values.type == value_type else values.cast(value_type)
 
 
 def _settle(done: Future, answered: Future) -> None:

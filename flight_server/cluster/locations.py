@@ -61,10 +61,16 @@ def parse_key(key: str) -> tuple[tuple[Holder, ...], int]:
                           "'node@segment:offset:length[,node@…]/row'")
 
 
-def row_keys(location: str, rows: int) -> pa.Array:
-    """``location/0 … location/{rows-1}`` as a large_string array, built vectorised."""
-    idx = pc.cast(pa.array(np.arange(rows, dtype=np.int64)), pa.large_string())
-    return pc.binary_join_element_wise(pa.scalar(location, pa.large_string()), idx,
+def row_numbers(rows: int) -> pa.Array:
+    """``"0" … "{rows-1}"`` as a large_string array: the row part of a chunk's keys."""
+    return pc.cast(pa.array(np.arange(rows, dtype=np.int64)), pa.large_string())
+
+
+def row_keys(location: str, rows: int | pa.Array) -> pa.Array:
+    """``location/0 … location/{rows-1}`` as a large_string array, built vectorised (``rows``:
+    a count, or its :func:`row_numbers`, made once for the chunks of a put)."""
+    numbers = row_numbers(rows) if isinstance(rows, int) else rows
+    return pc.binary_join_element_wise(pa.scalar(location, pa.large_string()), numbers,
                                        pa.scalar("/", pa.large_string()))
 
 

@@ -349,6 +349,26 @@ def test_a_rows_columns_written_on_different_machines_come_back_together(cluster
         assert trainer.fetch_stats["fetches"] == 2      # one call to each of the two nodes
 
 
+def test_a_null_by_reference_value_gets_no_key(cluster):
+    """A row's null in a data-node column is no value written: no key at the coordinator (the
+    row waits for that column, as on one server); the others' keys name the node."""
+    with client(cluster, 0) as producer:
+        make_table(producer)
+        data = rows("n", 4)
+        data["response"][1] = None
+        data["tokens"][2] = None
+        producer.put("t", data)
+        keys = {r["sample_id"]: r for r in producer.query(
+            "SELECT sample_id, response, tokens FROM t").to_pylist()}
+        assert keys["n1_0_0"]["response"] is None and keys["n2_0_0"]["tokens"] is None
+        named = [k for r in keys.values() for k in (r["response"], r["tokens"]) if k]
+        assert len(named) == 6 and all(parse_key(k)[0][0].node == "dn-0" for k in named)
+        got = {r["sample_id"]: r for r in producer.claim("t", 4).tables["t"].to_pylist()}
+        assert sorted(got) == ["n0_0_0", "n3_0_0"]      # the complete rows
+        assert got["n0_0_0"]["response"] == data["response"][0]
+        assert got["n3_0_0"]["tokens"] == data["tokens"][3]
+
+
 # -- auth and TLS on the data nodes ------------------------------------------------------------
 @pytest.fixture
 def secured(tmp_path) -> Iterator[tuple[Cluster, str]]:
