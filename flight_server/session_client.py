@@ -111,7 +111,7 @@ class SessionChannel:
             while True:
                 chunk = self._reader.read_chunk()
                 if chunk.app_metadata is not None:
-                    self._answer(chunk.app_metadata.to_pybytes())
+                    self._answer(chunk.app_metadata)
         except StopIteration:
             error = E.Unavailable("the server ended the session")
         except (flight.FlightError, pa.ArrowException, OSError) as e:
@@ -125,7 +125,7 @@ class SessionChannel:
             except (flight.FlightError, pa.ArrowException, OSError) as e:
                 log.debug("closing the session stream: %s", e)
 
-    def _answer(self, raw: bytes) -> None:
+    def _answer(self, raw: bytes | pa.Buffer) -> None:
         answer = SessionAnswer.decode(raw)
         if answer.closing:
             with self._lock:

@@ -116,9 +116,10 @@ def flag(body: dict[str, Any], key: str, action: str) -> bool:
 # -- answers ------------------------------------------------------------------------------------
 
 def results_bytes(result: Any) -> list[bytes]:
-    """A handler's answer as the results of a call: raw parts as they are, anything else as
-    one JSON document."""
-    if isinstance(result, list) and result and all(isinstance(r, bytes) for r in result):
+    """A handler's answer as the results of a call: raw parts (bytes, or Arrow buffers: a
+    session claim's record batch) as they are, anything else as one JSON document."""
+    if isinstance(result, list) and result and \
+            all(isinstance(r, (bytes, pa.Buffer)) for r in result):
         return result
     return [encode_answer(result)]
 
@@ -294,7 +295,9 @@ def claim_results(claim: Claim, known: dict[str, str] | None = None) -> list[byt
         fingerprint = schema_fingerprint(name, table.schema)
         one = table.to_batches()
         if known.get(name) == fingerprint and len(one) == 1:
-            parts.append(one[0].serialize().to_pybytes())
+            # the serialized batch as it is (the answer's frame copies it once, into the
+            # message): no bytes copy of it first
+            parts.append(one[0].serialize())  # type: ignore[arg-type]
             batches.append(name)
         else:
             parts.append(ipc_stream(table))

@@ -39,8 +39,9 @@ def frame(header: dict[str, Any], parts: Sequence[bytes] = ()) -> pa.Buffer:
     return pa.py_buffer(b"".join([encode_answer(header), b"\n", *parts]))
 
 
-def split_parts(sizes: Any, rest: bytes) -> tuple[bytes, ...]:
-    """The parts after a header, cut by its ``sizes``; InvalidArgument if they do not fit."""
+def split_parts(sizes: Any, rest: bytes | memoryview) -> tuple[bytes, ...]:
+    """The parts after a header, cut by its ``sizes``, each as bytes (one copy of it where
+    ``rest`` is a view of the message); InvalidArgument if they do not fit."""
     if not isinstance(sizes, list) or not all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
         raise InvalidArgument(f"a message's sizes must be a list of byte counts, got {sizes!r}")
@@ -49,9 +50,29 @@ def split_parts(sizes: Any, rest: bytes) -> tuple[bytes, ...]:
                               f"{len(rest)} follow its header")
     parts, at = [], 0
     for n in sizes:
-        parts.append(rest[at:at + n])
+        parts.append(bytes(rest[at:at + n]))
         at += n
     return tuple(parts)
+
+
+def _header_and_rest(raw: bytes | pa.Buffer) -> tuple[bytes, bytes | memoryview]:
+    """A message's header line and what follows it (a view of a buffer's memory: its parts
+    are copied once, by :func:`split_parts`, not the whole message first)."""
+    if isinstance(raw, bytes):
+        head, _, rest = raw.partition(b"\n")
+        return head, rest
+    view = memoryview(raw)
+    end = bytes(view[:_HEADER_PEEK]).find(b"\n")
+    if end < 0:
+        end = bytes(view).find(b"\n")
+    if end < 0:
+        return bytes(view), b""
+    return bytes(view[:end]), view[end + 1:]
+
+
+# How much of a message is searched for the end of its header before the whole of it (a
+# header is a line of JSON: an id, sizes, an error's message).
+_HEADER_PEEK = 4096
 
 
 def is_session(command: bytes) -> bool:
@@ -151,8 +172,9 @@ class SessionAnswer(NamedTuple):
     closing: bool = False
 
     @classmethod
-    def decode(cls, raw: bytes) -> "SessionAnswer":
-        head, _, rest = raw.partition(b"\n")
+    def decode(cls, raw: bytes | pa.Buffer) -> "SessionAnswer":
+        """An answer message, as bytes or as the Arrow buffer it arrived in."""
+        head, rest = _header_and_rest(raw)
         header = answer_object(head, "session answer")
         if header.get("closing"):
             return cls(None, closing=True)

@@ -176,6 +176,21 @@ def test_a_session_request_round_trips(request_id, action, body, parts, schemas)
 def test_a_session_answer_round_trips(request_id, parts):
     got = wire.SessionAnswer.decode(wire_session.answer(request_id, parts).to_pybytes())
     assert got == wire.SessionAnswer(request_id, parts)
+    # as the client reads it: the buffer the message arrived in, parts copied out of it
+    message = wire_session.answer(request_id, [pa.py_buffer(p) for p in parts])
+    assert wire.SessionAnswer.decode(message) == wire.SessionAnswer(request_id, parts)
+
+
+def test_a_session_answer_read_from_its_buffer_keeps_long_headers_and_errors():
+    error = E.NotFound("no table " + "x" * 6000)        # a header past the first 4 KiB
+    answer = wire.SessionAnswer.decode(wire_session.error_answer(5, error))
+    assert type(answer.error) is E.NotFound and str(answer.error) == str(error)
+    parts = [b'{"claim_id": "c"}', bytes(range(256)) * 800]
+    got = wire.SessionAnswer.decode(wire_session.answer(6, parts))
+    assert got == wire.SessionAnswer(6, tuple(parts))
+    assert all(type(p) is bytes for p in got.parts)
+    with pytest.raises(E.ExpstoreError, match="malformed session answer"):
+        wire.SessionAnswer.decode(pa.py_buffer(b'{"id": 1, "sizes": [9]}\nab'))
 
 
 @pytest.mark.parametrize("code", sorted(E.ERROR_CLASSES))
