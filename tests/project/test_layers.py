@@ -28,11 +28,11 @@ PACKAGES = ("store", "flight_server", "producers", "consumers", "expstore", "ben
 MODEL, STORAGE, INDEX, WRITER_READS, FACADE = range(5)
 STORE_LAYERS = {
     # the model: ids, types, schemas, tensors, settings, errors; checking and converting a put;
-    # the blob store's file format; no DuckDB
+    # the blob store's file format; the queries' time limits (a thread); no DuckDB
     "store.errors": MODEL, "store.naming": MODEL, "store.types": MODEL, "store.tensors": MODEL,
     "store.schema": MODEL, "store.settings": MODEL, "store.cache": MODEL, "store.ipc": MODEL,
     "store.barrier": MODEL, "store.blob_rows": MODEL, "store.row_cut": MODEL, "store.blobs": MODEL,
-    "store.blob_keys": MODEL, "store.prepare": MODEL,
+    "store.blob_keys": MODEL, "store.prepare": MODEL, "store.deadlines": MODEL,
     # DuckDB and storage helpers: opening a database, Arrow sources, the SQL guard and the query
     # views, the put log's format, storage faults; claim requests and the Store protocol sit
     # here because a request's predicate is checked by the SQL guard, which parses with DuckDB
