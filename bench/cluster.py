@@ -1,21 +1,31 @@
 """Scale-out: aggregate wide ingest and micro-batch reads with N data nodes on a Ray cluster.
 
 One Ray cluster of max(N) logical nodes on this machine, bound to 127.0.0.1; for each N a fresh
-expstore cluster (``cluster_up``: a coordinator and a data node on each of N Ray nodes). Then N
-producers, one Ray task pinned to each node, put wide rows (the by-reference columns go to their
-node's data node, keys to the coordinator), keeping ``PUTS_IN_FLIGHT`` puts on their way
-(``put_async``) as the library's ExperienceWriter does, from a common start (a barrier actor:
-Ray may start a task's worker late); then N trainers, one per node, claim micro-batches of 16
-(values fetched from the data nodes) and ack them pipelined (``ack_async``, as the library's
-trainers do) until the table is drained. Aggregates are rows over the wall time from the common start to the last
-task's end.
-The coordinator's CPU (its process, every thread) per sample is measured around each phase.
+expstore cluster (``cluster_up``: a coordinator and a data node on each of N Ray nodes) and,
+beside it on the same Ray cluster, TransferQueue as the baseline (its controller and N storage
+units, which it places round-robin over the nodes).
 
-Ratios are against N = 1 in the same run; the target is ≥ 0.7 × N. After each N, TransferQueue
-(its controller and N storage units, which it places round-robin over the nodes) runs on the same
-Ray cluster as the baseline: N producers and N trainers pinned one per node, the same rows, puts
-of the same size, micro-batches of 16 by get_meta + get_data (each trainer on its producer's
-partition). Every logical node shares
+Ingest: N producers, one Ray task pinned to each node, put the same wide rows in puts of
+``PUT_ROWS`` from a common start (a barrier actor: Ray may start a task's worker late). Ours send
+the by-reference columns to their node's data node and the keys to the coordinator, keeping
+``PUTS_IN_FLIGHT`` puts on their way (``put_async``) as the library's ExperienceWriter does.
+One such phase is short, so on shared cores one phase's figure is mostly the load of the
+moment: each system runs ``INGEST_ROUNDS`` phases (``INGEST_ROUNDS_QUICK`` with --quick), ours
+and TransferQueue's alternated and who goes first swapped each round, each round into a fresh
+table (ours) or fresh partitions (TransferQueue's) with the same rows. The ingest figures are
+the medians of each system's rounds (the per-round figures are printed, and kept as the series
+``ingest_rounds_n{N}``), and ``ingest_vs_tq`` is the ratio of the two medians.
+
+Reads, one phase a system after the rounds, on round 0's rows: N trainers, one per node, claim
+micro-batches of 16 (values fetched from the data nodes) and ack them pipelined (``ack_async``,
+as the library's trainers do) until the table is drained; TransferQueue's take micro-batches of
+16 by get_meta + get_data, each trainer on its producer's partition. Aggregates are rows (or
+bytes) over the wall time from the common start to the last task's end.
+
+The coordinator's CPU (its process, every thread) per sample is measured around each of our
+ingest rounds (the median of the rounds is recorded) and around our read phase.
+
+Ratios are against N = 1 in the same run; the target is ≥ 0.7 × N. Every logical node shares
 this machine's cores, so the ratios only mean scale-out on a machine with cores to spare (N ≤
 cores / 2): N is 1, 2, 4 here, and 8 as well on a machine with 16 cores or more
 (``EXPSTORE_BENCH_CLUSTER_NODES=1,2,4,8`` sets the list).
@@ -26,10 +36,12 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import statistics
 import tempfile
 import time
 from collections import deque
 from concurrent.futures import Future
+from contextlib import ExitStack
 from typing import Any
 
 from bench.context import Ctx, Skip
@@ -45,6 +57,10 @@ TITLE = "Scale-out on Ray: N data nodes (aggregate ingest, micro-batch reads)"
 MICRO_BATCH = 16
 PUT_ROWS = 256
 REF_COLUMNS = ("prompt", "response", "token_ids", "logprobs")
+#: ingest phases each system runs at each N, ours and TransferQueue's alternated (the module's
+#: docstring says why)
+INGEST_ROUNDS = 3
+INGEST_ROUNDS_QUICK = 2
 
 
 def node_counts(ctx: Ctx) -> list[int]:
@@ -92,19 +108,19 @@ def _meet(barrier: Any) -> None:
     time.sleep(max(0.0, start_at - time.time()))
 
 
-def produce(uri: str, start: int, rows: int, barrier: Any) -> dict[str, Any]:
+def produce(uri: str, table: str, start: int, rows: int, barrier: Any) -> dict[str, Any]:
     import store
     data = wide_table(rows, start=start)
     batches = [data.slice(i, PUT_ROWS) for i in range(0, rows, PUT_ROWS)]
     with store.connect(uri) as s:
-        s.describe("wide")
+        s.describe(table)
         s.cluster()
         _meet(barrier)
         t0 = time.time()
         # a bounded window of puts on their way, as the library's ExperienceWriter keeps
         window: deque[Future] = deque()
         for b in batches:
-            window.append(s.put_async("wide", b))
+            window.append(s.put_async(table, b))
             if len(window) >= PUTS_IN_FLIGHT:
                 window.popleft().result()
         for put in window:
@@ -112,10 +128,10 @@ def produce(uri: str, start: int, rows: int, barrier: Any) -> dict[str, Any]:
         return {"t0": t0, "t1": time.time(), "rows": rows, "bytes": data.nbytes}
 
 
-def train(uri: str, barrier: Any) -> dict[str, Any]:
+def train(uri: str, table: str, barrier: Any) -> dict[str, Any]:
     import store
     with store.connect(uri) as s:
-        s.describe("wide")
+        s.describe(table)
         s.cluster()
         _meet(barrier)
         t0 = time.time()
@@ -124,12 +140,12 @@ def train(uri: str, barrier: Any) -> dict[str, Any]:
         took = []
         while True:
             c0 = time.perf_counter()
-            c = s.claim("wide", MICRO_BATCH)
+            c = s.claim(table, MICRO_BATCH)
             if not c.claim_id:
                 break
             took.append(time.perf_counter() - c0)
-            rows += c.tables["wide"].num_rows
-            nbytes += c.tables["wide"].nbytes
+            rows += c.tables[table].num_rows
+            nbytes += c.tables[table].nbytes
             acks.append(s.ack_async(c.claim_id))   # pipelined, as the library's trainers ack
         for a in acks:
             a.result()
@@ -167,40 +183,59 @@ def _pinned(ids: list[str]) -> Any:
     return on
 
 
-def _expstore_at(ray: Any, cluster_up: Any, root: str, ids: list[str], rows: int,
-                 remotes: tuple[Any, Any, Any]) -> tuple[list[dict[str, Any]],
-                                                         list[dict[str, Any]], list[float]]:
-    """A fresh coordinator and a data node on each node of ``ids``; one producer, then one
-    trainer, pinned to each: their results, and the coordinator's CPU seconds around the puts
-    and around the reads."""
-    remote_produce, remote_train, remote_barrier = remotes
-    n, on = len(ids), _pinned(ids)
-    os.makedirs(root, exist_ok=True)
-    handle = cluster_up(None, db=os.path.join(root, "coord.duckdb"), port=_free_port(),
-                        data_dir=os.path.join(root, "data"), nodes=ids)
-    try:
-        with __import__("store").connect(handle.uri) as s:
-            s.create_table("wide", WIDE_COLUMNS, storage={c: "ref" for c in REF_COLUMNS})
+def _mb_s(puts: list[dict[str, Any]]) -> float:
+    """A put phase's aggregate: its bytes over the wall from the common start to the last end."""
+    return sum(p["bytes"] for p in puts) / (max(p["t1"] for p in puts)
+                                            - min(p["t0"] for p in puts)) / 1e6
 
-        def cpu() -> float:
-            return float(ray.get(handle.coordinator.cpu_seconds.remote()))
 
-        barrier = remote_barrier.remote(n)
-        puts = [remote_produce.options(num_cpus=0, scheduling_strategy=on(i))
-                .remote(handle.uri, i * rows, rows, barrier) for i in range(n)]
-        _wait_all_arrived(ray, barrier, puts, f"{n} producer(s)")
-        cpu0 = cpu()
-        puts = ray.get(puts, timeout=PHASE_TIMEOUT)
-        cpu1 = cpu()
-        barrier = remote_barrier.remote(n)
-        reads = [remote_train.options(num_cpus=0, scheduling_strategy=on(i))
-                 .remote(handle.uri, barrier) for i in range(n)]
-        _wait_all_arrived(ray, barrier, reads, f"{n} trainer(s)")
-        cpu2 = cpu()
-        reads = ray.get(reads, timeout=PHASE_TIMEOUT)
-        return puts, reads, [cpu0, cpu1, cpu2, cpu()]
-    finally:
-        handle.stop()
+def _rows_s(reads: list[dict[str, Any]]) -> float:
+    return sum(r["rows"] for r in reads) / (max(r["t1"] for r in reads)
+                                            - min(r["t0"] for r in reads))
+
+
+class ExpstoreAt:
+    """A fresh expstore cluster: a coordinator and a data node on each node of ``ids``. Each
+    ingest round puts into a table of its own; the read phase drains one of them."""
+
+    def __init__(self, ray: Any, cluster_up: Any, root: str, ids: list[str],
+                 remotes: tuple[Any, Any, Any]) -> None:
+        self.ray, self.n, self.on = ray, len(ids), _pinned(ids)
+        self.remote_produce, self.remote_train, self.remote_barrier = remotes
+        os.makedirs(root, exist_ok=True)
+        self.handle = cluster_up(None, db=os.path.join(root, "coord.duckdb"), port=_free_port(),
+                                 data_dir=os.path.join(root, "data"), nodes=ids)
+
+    def _cpu(self) -> float:
+        return float(self.ray.get(self.handle.coordinator.cpu_seconds.remote()))
+
+    def ingest(self, table: str, rows: int) -> tuple[list[dict[str, Any]], float]:
+        """One producer pinned to each node puts ``rows`` rows into the new ``table``: their
+        results, and the coordinator's CPU seconds around the puts."""
+        import store
+        with store.connect(self.handle.uri) as s:
+            s.create_table(table, WIDE_COLUMNS, storage={c: "ref" for c in REF_COLUMNS})
+        barrier = self.remote_barrier.remote(self.n)
+        puts = [self.remote_produce.options(num_cpus=0, scheduling_strategy=self.on(i))
+                .remote(self.handle.uri, table, i * rows, rows, barrier) for i in range(self.n)]
+        _wait_all_arrived(self.ray, barrier, puts, f"{self.n} producer(s)")
+        cpu0 = self._cpu()
+        puts = self.ray.get(puts, timeout=PHASE_TIMEOUT)
+        return puts, self._cpu() - cpu0
+
+    def read(self, table: str) -> tuple[list[dict[str, Any]], float]:
+        """One trainer pinned to each node claims ``table`` until it is drained: their
+        results, and the coordinator's CPU seconds around the reads."""
+        barrier = self.remote_barrier.remote(self.n)
+        reads = [self.remote_train.options(num_cpus=0, scheduling_strategy=self.on(i))
+                 .remote(self.handle.uri, table, barrier) for i in range(self.n)]
+        _wait_all_arrived(self.ray, barrier, reads, f"{self.n} trainer(s)")
+        cpu0 = self._cpu()
+        reads = self.ray.get(reads, timeout=PHASE_TIMEOUT)
+        return reads, self._cpu() - cpu0
+
+    def stop(self) -> None:
+        self.handle.stop()
 
 
 def run(ctx: Ctx) -> None:
@@ -228,64 +263,101 @@ def run(ctx: Ctx) -> None:
         if addresses != {"127.0.0.1"}:
             raise Skip(f"Ray bound {sorted(addresses)}, not only 127.0.0.1")
         ids = [n["NodeID"] for n in alive]
-        remote_produce = ray.remote(produce)
-        remote_train = ray.remote(train)
-        remote_barrier = ray.remote(num_cpus=0)(Barrier)
+        remotes = (ray.remote(produce), ray.remote(train), ray.remote(num_cpus=0)(Barrier))
         base: dict[str, float] = {}
         for n in counts:
             print(f"  -- N = {n}", flush=True)
+            root = os.path.join(tmp, f"n{n}")
             try:
-                puts, reads, cpu = _expstore_at(ray, cluster_up, os.path.join(tmp, f"n{n}"),
-                                                ids[:n], rows_per_node,
-                                                (remote_produce, remote_train, remote_barrier))
-                total = n * rows_per_node
-                put_wall = max(p["t1"] for p in puts) - min(p["t0"] for p in puts)
-                read_wall = max(r["t1"] for r in reads) - min(r["t0"] for r in reads)
-                ingest_mb_s = sum(p["bytes"] for p in puts) / put_wall / 1e6
-                read_rows_s = sum(r["rows"] for r in reads) / read_wall
-                ctx.record(f"ingest_mb_s_n{n}", ingest_mb_s, "MB/s",
-                           f"wide ingest, {n} node(s), aggregate")
-                ctx.record(f"read_rows_s_n{n}", read_rows_s, "rows/s",
-                           f"micro-batch reads (claim 16, pipelined ack), {n} node(s), aggregate")
-                ctx.record(f"coord_cpu_us_put_n{n}", (cpu[1] - cpu[0]) / total * 1e6, "us",
-                           f"coordinator CPU per sample put, {n} node(s)")
-                ctx.record(f"coord_cpu_us_read_n{n}", (cpu[3] - cpu[2]) / max(1, sum(
-                    r["rows"] for r in reads)) * 1e6, "us",
-                           f"coordinator CPU per sample read, {n} node(s)")
-                claim_p50, _ = percentiles_ms([t for r in reads for t in r["took"]])
-                ctx.record(f"claim16_p50_ms_n{n}", claim_p50, "ms",
-                           f"one claim of 16 with its values fetched, p50, {n} node(s)")
-                tq = transferqueue_at(ctx, ray, _pinned(ids), n, rows_per_node, remote_barrier)
-                if tq is not None:
-                    suffix = "" if n == 1 else f"_n{n}"
-                    ctx.record(f"tq_ingest_mb_s{suffix}", tq["ingest"], "MB/s",
-                               f"TransferQueue wide ingest, {n} node(s), aggregate")
-                    ctx.record(f"tq_read_rows_s{suffix}", tq["read"], "rows/s",
-                               f"TransferQueue micro-batches of 16 (get_meta + get_data), {n} "
-                               "node(s), aggregate")
-                    ctx.record(f"ingest_vs_tq{suffix}", ingest_mb_s / tq["ingest"], "x",
-                               f"our wide ingest vs TransferQueue's, {n} node(s)")
-                    ctx.record(f"read_vs_tq{suffix}", read_rows_s / tq["read"], "x",
-                               f"our micro-batch reads vs TransferQueue's, {n} node(s)")
-                    if n == 1:
-                        ctx.record("mb16_p50_tq_over_expstore", tq["claim_p50_ms"] / claim_p50,
-                                   "x", "micro-batch of 16 p50: TransferQueue / expstore (one node)")
-                if not base:
-                    base = {"ingest": ingest_mb_s / n, "read": read_rows_s / n,
-                            "claim_p50_ms": claim_p50}
-                else:
-                    ctx.record(f"ingest_ratio_n{n}", ingest_mb_s / base["ingest"], "x",
-                               f"ingest vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
-                    ctx.record(f"read_ratio_n{n}", read_rows_s / base["read"], "x",
-                               f"reads vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
+                with ExitStack() as running:
+                    ours = ExpstoreAt(ray, cluster_up, root, ids[:n], remotes)
+                    running.callback(ours.stop)
+                    tq = TransferQueueAt.start(ray, _pinned(ids), n, remotes[2])
+                    if tq is not None:
+                        running.callback(tq.close)
+                    base = _measure_n(ctx, n, rows_per_node, ours, tq, base)
             except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:
                 # a failed N (a task that died or never met the others) is reported, and the
                 # other N still run
                 print(f"  N = {n} failed: {type(e).__name__}: {str(e)[:500]}")
+            shutil.rmtree(root, ignore_errors=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _measure_n(ctx: Ctx, n: int, rows: int, ours: ExpstoreAt, tq: TransferQueueAt | None,
+               base: dict[str, float]) -> dict[str, float]:
+    """One N: the ingest rounds, ours and TransferQueue's alternated, then one read phase each
+    on round 0's rows; records the figures and returns one node's (``base``, set at the first
+    N)."""
+    total = n * rows
+    ingest: list[float] = []
+    cpu_put: list[float] = []
+    tq_ingest: list[float] = []
+
+    def ours_round(r: int) -> None:
+        puts, cpu = ours.ingest(f"wide_r{r}", rows)
+        ingest.append(_mb_s(puts))
+        cpu_put.append(cpu / total * 1e6)
+
+    def tq_round(r: int) -> None:
+        if tq is not None:
+            tq_ingest.append(_mb_s(tq.ingest(f"r{r}", rows)))
+
+    for r in range(ctx.pick(INGEST_ROUNDS_QUICK, INGEST_ROUNDS)):
+        # each round swaps who goes first, so a drift in the machine's load falls on both
+        ours_first = r % 2 == 0
+        for phase in (ours_round, tq_round) if ours_first else (tq_round, ours_round):
+            phase(r)
+        line = f"    ingest round {r + 1} ({'ours' if ours_first else 'TransferQueue'} first): " \
+               f"ours {ingest[-1]:.1f} MB/s"
+        if tq_ingest:
+            line += f", TransferQueue {tq_ingest[-1]:.1f} MB/s, {ingest[-1] / tq_ingest[-1]:.2f}x"
+        print(line, flush=True)
+    ctx.series(f"ingest_rounds_n{n}", {"expstore_mb_s": ingest, "tq_mb_s": tq_ingest,
+                                       "coord_cpu_us_put": cpu_put})
+    ingest_mb_s = statistics.median(ingest)
+    reads, cpu_read = ours.read("wide_r0")
+    read_rows_s = _rows_s(reads)
+    rounds = f"median of {len(ingest)} rounds"
+    ctx.record(f"ingest_mb_s_n{n}", ingest_mb_s, "MB/s",
+               f"wide ingest, {n} node(s), aggregate, {rounds}")
+    ctx.record(f"read_rows_s_n{n}", read_rows_s, "rows/s",
+               f"micro-batch reads (claim 16, pipelined ack), {n} node(s), aggregate")
+    ctx.record(f"coord_cpu_us_put_n{n}", statistics.median(cpu_put), "us",
+               f"coordinator CPU per sample put, {n} node(s), {rounds}")
+    ctx.record(f"coord_cpu_us_read_n{n}",
+               cpu_read / max(1, sum(r["rows"] for r in reads)) * 1e6, "us",
+               f"coordinator CPU per sample read, {n} node(s)")
+    claim_p50, _ = percentiles_ms([t for r in reads for t in r["took"]])
+    ctx.record(f"claim16_p50_ms_n{n}", claim_p50, "ms",
+               f"one claim of 16 with its values fetched, p50, {n} node(s)")
+    if tq is not None:
+        tq_reads = tq.read("r0", ctx.pick(16, 128))
+        tq_ingest_mb_s, tq_read_rows_s = statistics.median(tq_ingest), _rows_s(tq_reads)
+        suffix = "" if n == 1 else f"_n{n}"
+        ctx.record(f"tq_ingest_mb_s{suffix}", tq_ingest_mb_s, "MB/s",
+                   f"TransferQueue wide ingest, {n} node(s), aggregate, {rounds}")
+        ctx.record(f"tq_read_rows_s{suffix}", tq_read_rows_s, "rows/s",
+                   f"TransferQueue micro-batches of 16 (get_meta + get_data), {n} "
+                   "node(s), aggregate")
+        ctx.record(f"ingest_vs_tq{suffix}", ingest_mb_s / tq_ingest_mb_s, "x",
+                   f"our wide ingest vs TransferQueue's, {n} node(s), medians")
+        ctx.record(f"read_vs_tq{suffix}", read_rows_s / tq_read_rows_s, "x",
+                   f"our micro-batch reads vs TransferQueue's, {n} node(s)")
+        if n == 1:
+            tq_p50, _ = percentiles_ms([t for r in tq_reads for t in r["took"]])
+            ctx.record("mb16_p50_tq_over_expstore", tq_p50 / claim_p50,
+                       "x", "micro-batch of 16 p50: TransferQueue / expstore (one node)")
+    if not base:
+        return {"ingest": ingest_mb_s / n, "read": read_rows_s / n}
+    ctx.record(f"ingest_ratio_n{n}", ingest_mb_s / base["ingest"], "x",
+               f"ingest vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
+    ctx.record(f"read_ratio_n{n}", read_rows_s / base["read"], "x",
+               f"reads vs one node's, {n} nodes (target ≥ {0.7 * n:.1f})")
+    return base
 
 
 def tq_produce(partition: str, start: int, rows: int, barrier: Any) -> dict[str, Any]:
@@ -323,40 +395,46 @@ def tq_train(partition: str, batches: int, barrier: Any) -> dict[str, Any]:
     return {"t0": t0, "t1": time.time(), "rows": rows, "took": took}
 
 
-def transferqueue_at(ctx: Ctx, ray: Any, on: Any, n: int, rows: int,
-                     remote_barrier: Any) -> dict[str, float] | None:
+class TransferQueueAt:
     """TransferQueue on the same Ray cluster with n nodes' worth of the same load: its
     controller, n storage units (its default places them round-robin over the nodes), n
     producers and n trainers pinned one per node as ours are, each producer/trainer pair on
-    its own partition (no contention between trainers: easier than our one shared table)."""
-    try:
-        import transfer_queue as tq
-        from omegaconf import OmegaConf
-        from transfer_queue import SequentialSampler
-    except ImportError as e:
-        print(f"  TransferQueue baseline skipped: {e} (pip install 'transferqueue==0.1.11')")
-        return None
-    conf = OmegaConf.create({"controller": {"sampler": SequentialSampler()},
-                             "backend": {"SimpleStorage": {"num_data_storage_units": n}}},
-                            flags={"allow_objects": True})
-    # one call per worker: a reused worker would keep the client of the controller before
-    produce_task = ray.remote(max_calls=1)(tq_produce)
-    train_task = ray.remote(max_calls=1)(tq_train)
-    tq.init(conf)
-    try:
-        barrier = remote_barrier.remote(n)
-        puts = [produce_task.options(num_cpus=0, scheduling_strategy=on(i))
-                .remote(f"agg-{i}", i * rows, rows, barrier) for i in range(n)]
-        puts = ray.get(puts, timeout=PHASE_TIMEOUT)
-        batches = ctx.pick(16, 128)
-        barrier = remote_barrier.remote(n)
-        reads = ray.get([train_task.options(num_cpus=0, scheduling_strategy=on(i))
-                         .remote(f"agg-{i}", batches, barrier) for i in range(n)],
-                        timeout=PHASE_TIMEOUT)
-    finally:
-        tq.close()
-    put_wall = max(p["t1"] for p in puts) - min(p["t0"] for p in puts)
-    read_wall = max(r["t1"] for r in reads) - min(r["t0"] for r in reads)
-    p50, _ = percentiles_ms([t for r in reads for t in r["took"]])
-    return {"ingest": sum(p["bytes"] for p in puts) / put_wall / 1e6,
-            "read": sum(r["rows"] for r in reads) / read_wall, "claim_p50_ms": p50}
+    its own partition (no contention between trainers: easier than our one shared table).
+    Each ingest round puts into partitions of its own."""
+
+    def __init__(self, ray: Any, on: Any, n: int, remote_barrier: Any, tq: Any) -> None:
+        self.ray, self.on, self.n, self.remote_barrier, self.tq = ray, on, n, remote_barrier, tq
+        # one call per worker: a reused worker would keep the client of the controller before
+        self.produce_task = ray.remote(max_calls=1)(tq_produce)
+        self.train_task = ray.remote(max_calls=1)(tq_train)
+
+    @classmethod
+    def start(cls, ray: Any, on: Any, n: int, remote_barrier: Any) -> TransferQueueAt | None:
+        """Its controller and n storage units, or None (said why) where it is not installed."""
+        try:
+            import transfer_queue as tq
+            from omegaconf import OmegaConf
+            from transfer_queue import SequentialSampler
+        except ImportError as e:
+            print(f"  TransferQueue baseline skipped: {e} (pip install 'transferqueue==0.1.11')")
+            return None
+        conf = OmegaConf.create({"controller": {"sampler": SequentialSampler()},
+                                 "backend": {"SimpleStorage": {"num_data_storage_units": n}}},
+                                flags={"allow_objects": True})
+        tq.init(conf)
+        return cls(ray, on, n, remote_barrier, tq)
+
+    def ingest(self, prefix: str, rows: int) -> list[dict[str, Any]]:
+        barrier = self.remote_barrier.remote(self.n)
+        return self.ray.get([self.produce_task.options(num_cpus=0, scheduling_strategy=self.on(i))
+                             .remote(f"{prefix}-{i}", i * rows, rows, barrier)
+                             for i in range(self.n)], timeout=PHASE_TIMEOUT)
+
+    def read(self, prefix: str, batches: int) -> list[dict[str, Any]]:
+        barrier = self.remote_barrier.remote(self.n)
+        return self.ray.get([self.train_task.options(num_cpus=0, scheduling_strategy=self.on(i))
+                             .remote(f"{prefix}-{i}", batches, barrier) for i in range(self.n)],
+                            timeout=PHASE_TIMEOUT)
+
+    def close(self) -> None:
+        self.tq.close()
