@@ -15,6 +15,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 
+def chunk_key(prefix: str) -> tuple[int, int, int]:
+    """The chunk (segment, offset, length) of a key prefix :meth:`BlobStore.append` returned."""
+    segment, offset, length = map(int, prefix.split(":"))
+    return segment, offset, length
+
+
 def whole_chunk(keys: pa.ChunkedArray) -> tuple[int, int, int] | None:
     """The chunk (segment, offset, length) whose rows 0 … n-1 ``keys`` name in that order, as
     :func:`keys_for` builds them for a put's column; else None."""

@@ -48,7 +48,7 @@ import zlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, NamedTuple, Sequence, Union
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence, Union
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -602,8 +602,9 @@ class BlobStore:
         ``source`` is a put as the claim cache holds it: columns of keys the writer built with
         :func:`keys_for`, each naming one chunk's rows in order. Why: a claim then cuts its rows
         by their row numbers, without parsing and grouping a key per value (most of a claim's
-        time in the store for a few wide rows); whether a column is such a column is checked
-        once per cached put. Why all of a claim's columns in one call: a lookup and a lock per
+        time in the store for a few wide rows); whether a column is such a column the writer
+        records as it builds the keys (:meth:`know_whole`), else it is checked once per cached
+        put. Why all of a claim's columns in one call: a lookup and a lock per
         column were a noticeable share of a claim of a few rows."""
         chunks = self._whole_chunks(source, key_ats)
         with self._cache_lock:
@@ -617,16 +618,31 @@ class BlobStore:
             out.append(got if got.type == value_type else got.cast(value_type))
         return out
 
-    def _whole_chunks(self, source: pa.Table,
-                      key_ats: Sequence[int]) -> list[tuple[int, int, int] | None]:
-        """The chunk each key column of ``source`` names whole (:func:`whole_chunk`), checked
-        once per cached put and column."""
+    def know_whole(self, source: pa.Table,
+                   by_column: Mapping[int, tuple[int, int, int] | None]) -> None:
+        """Record, for key columns of ``source`` (by position), the chunk whose rows 0 … n-1
+        each names in order, or None where it names anything else: what :meth:`put_columns`
+        would otherwise find out on the put's first claim.
+
+        Why: the writer knows it when it builds the keys (:meth:`RowWriter.with_blob_keys`);
+        checking the keys again cost a put's first claim a noticeable share of its time. A
+        column marked with a chunk it does not name in full would serve wrong values."""
+        self._whole_memo(source).update(by_column)
+
+    def _whole_memo(self, source: pa.Table) -> dict[int, tuple[int, int, int] | None]:
+        """The whole chunks known for the columns of ``source`` (kept while it lives)."""
         memo = id(source)
         known = self._whole.get(memo)
         if known is None or known[0]() is not source:
             known = (weakref.ref(source, lambda _: self._whole.pop(memo, None)), {})
             self._whole[memo] = known
-        by_column = known[1]
+        return known[1]
+
+    def _whole_chunks(self, source: pa.Table,
+                      key_ats: Sequence[int]) -> list[tuple[int, int, int] | None]:
+        """The chunk each key column of ``source`` names whole (:func:`whole_chunk`), checked
+        once per cached put and column unless the writer recorded it (:meth:`know_whole`)."""
+        by_column = self._whole_memo(source)
         out = []
         for at in key_ats:
             if at not in by_column:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import duckdb
 import pyarrow as pa
@@ -17,6 +17,15 @@ from .errors import ExpstoreError, StorageError
 from .live import Lease, LiveTable, Row
 from .prepare import PreparedPut
 from .putlog import LeaseUpdate, Record
+
+
+class KeyedRows(NamedTuple):
+    """A put's rows with blob keys in its ``__ref`` columns (``rows``), and by such column the
+    chunk (segment, offset, length) whose rows 0 … n-1 it names in order, else None
+    (``whole``)."""
+
+    rows: pa.Table
+    whole: dict[str, tuple[int, int, int] | None]
 
 
 @dataclass
@@ -113,7 +122,7 @@ class Txn:
         # Lease bookkeeping taken for this transaction: put back if it does not commit.
         self.row_updates: dict[str, list[LeaseUpdate]] = {}
         # id(put op) -> its rows with blob keys, made before any statement runs.
-        self.physical: dict[int, pa.Table] = {}
+        self.physical: dict[int, KeyedRows] = {}
         # Set for a group going to the put log: the records of its changes.
         self.logged: list[Record] | None = None
         # The cached values of a logged group's rows, which the claim cache may drop once

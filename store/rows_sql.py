@@ -10,20 +10,20 @@ group going to the put log the statements become records instead (see store/putl
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .blob_keys import keys_for
+from .blob_keys import chunk_key, keys_for
 from .blobs import BlobStore
 from .errors import StaleVersion, StorageError
 from .index import StoreIndex
 from .live import LEASED, LiveTable, Row, RowBlock
 from .naming import quote
-from .ops import MergedPutOp, NotLoggable, PutOp, Txn
+from .ops import KeyedRows, MergedPutOp, NotLoggable, PutOp, Txn
 from .prepare import PreparedPut
 from .settings import StoreSettings
 from .sources import now_column, registered
@@ -52,13 +52,13 @@ class RowWriter:
         """Run a run of consecutive puts (``results[i]`` answers op ``i``), merging those with
         the same shape into one statement."""
         index = self._index
-        batch: list[tuple[PreparedPut, pa.Table]] = []
+        batch: list[tuple[PreparedPut, KeyedRows]] = []
         batch_keys: set[tuple[str, int]] | None = None  # built once a second put may join
         for i, op in puts:
             p = op.prepared
             live = index.live_table(p.table)
             self._check_versions(live, p)
-            physical = txn.physical.pop(id(op))
+            keyed = txn.physical.pop(id(op))
             version = index.version_of(live)
             if isinstance(op, MergedPutOp):
                 results[i] = [{"rows": m.data.num_rows, "version": version} for m in op.members]
@@ -74,7 +74,7 @@ class RowWriter:
                     batch, batch_keys = [], None
                 else:
                     batch_keys.update(p.keys)
-            batch.append((p, physical))
+            batch.append((p, keyed))
         if batch:
             self._write_rows(con, txn, batch)
 
@@ -93,27 +93,38 @@ class RowWriter:
                 f"{current} and max_staleness {live.tdef.max_staleness} accepts versions ≥ "
                 f"{bound}; regenerate the sample with the current policy")
 
-    def with_blob_keys(self, p: PreparedPut) -> pa.Table:
+    def with_blob_keys(self, p: PreparedPut) -> KeyedRows:
         """Append the put's chunks to the blob store; its rows with their ``__ref`` row indexes
-        turned into blob keys (made before any statement of the group runs)."""
+        turned into blob keys (made before any statement of the group runs), and which of
+        those columns name their chunk's rows 0 … n-1 in order (see :meth:`_payload`)."""
         physical = p.physical
+        whole: dict[str, tuple[int, int, int] | None] = {}
         for ref in [n for n in physical.column_names if n.endswith("__ref")]:
             index = one_array(physical.column(ref))
             chunk = p.chunks.get(ref[: -len("__ref")])
+            whole[ref] = None
             if chunk is None:
                 keys = pa.nulls(len(index), pa.large_string())
             else:
                 prefix = self._blobs.append(chunk)
-                keys = keys_for(prefix, len(index) - index.null_count).take(index)
+                rows = len(index) - index.null_count
+                keys = keys_for(prefix, rows)
+                if _counts_up(index):
+                    whole[ref] = chunk_key(prefix)
+                else:
+                    keys = keys.take(index)
             physical = physical.set_column(physical.schema.get_field_index(ref), ref, keys)
-        return physical
+        return KeyedRows(physical, whole)
 
     def _write_rows(self, con: duckdb.DuckDBPyConnection, txn: Txn,
-                    batch: list[tuple[PreparedPut, pa.Table]]) -> None:
+                    batch: list[tuple[PreparedPut, KeyedRows]]) -> None:
         """Write puts of one shape to one table as one INSERT and one UPDATE at most."""
         first = batch[0][0]
         live = self._index.live_table(first.table)
-        physical = pa.concat_tables([t for _, t in batch]) if len(batch) > 1 else batch[0][1]
+        physical = pa.concat_tables([t.rows for _, t in batch]) if len(batch) > 1 \
+            else batch[0][1].rows
+        # Puts written together: each key column spans several chunks, so names none whole.
+        whole = batch[0][1].whole if len(batch) == 1 else {}
         keys = first.keys if len(batch) == 1 else [k for p, _ in batch for k in p.keys]
         set_mask = np.concatenate([p.set_mask for p, _ in batch])
         clear_mask = np.concatenate([p.clear_mask for p, _ in batch])
@@ -126,7 +137,8 @@ class RowWriter:
         if (~ids.is_new).any():
             old_rows = physical.filter(pa.array(~ids.is_new)) if ids.is_new.any() else physical
             self._update(con, live, first, old_rows, current)
-        payload, cached, complete = self._payload(txn, live, first, physical, keys, current)
+        payload, cached, complete = self._payload(txn, live, first, physical, keys, current,
+                                                  whole)
         ready = (set_mask & live.required_mask) == live.required_mask
         if txn.logged is not None and (ready & ~complete).any():
             raise NotLoggable("a ready row's values would have to be read from DuckDB")
@@ -241,12 +253,17 @@ class RowWriter:
 
     # -- cache admission ------------------------------------------------------------------------
     def _payload(self, txn: Txn, live: LiveTable, first: PreparedPut, physical: pa.Table,
-                 keys: list[tuple[str, int]],
-                 current: int) -> tuple[pa.Table | None, pa.Table | None, np.ndarray]:
+                 keys: list[tuple[str, int]], current: int,
+                 whole: Mapping[str, tuple[int, int, int] | None]
+                 ) -> tuple[pa.Table | None, pa.Table | None, np.ndarray]:
         """The rows' claimable values if the write holds every data column (else None); the
         same if the claim cache keeps them (else None); which rows wrote every data column (only
         those may take their values from it: a null value leaves the stored one, which the
-        write lacks)."""
+        write lacks).
+
+        ``whole``: by ``__ref`` column of ``physical``, the chunk whose rows 0 … n-1 it names
+        in order, or None (absent: None); recorded for the cached table's key columns, so that
+        a claim need not check its keys again (:meth:`BlobStore.know_whole`)."""
         tdef = live.tdef
         if len(first.data_columns) != len(tdef.columns):
             return None, None, np.zeros(len(keys), bool)
@@ -272,6 +289,9 @@ class RowWriter:
             cached = payload
         elif cache.admit(payload):
             cached = payload
+        if cached is not None:
+            self._blobs.know_whole(cached, {schema.get_field_index(col.ref): whole.get(col.ref)
+                                            for col in tdef.columns if col.ref})
         complete = np.logical_and.reduce([
             physical.column(f"{c.name}__w").to_numpy(zero_copy_only=False).astype(bool)
             for c in tdef.columns])
@@ -526,6 +546,15 @@ def _as_inserted(rows: pa.Table, inserted: list[tuple[str, str, str | None]],
 
 
 _FALSE = pa.scalar(False)
+
+
+def _counts_up(index: pa.Array) -> bool:
+    """Whether row index ``index`` is 0 … n-1 with no nulls (n > 0): its keys are then its
+    chunk's rows in order."""
+    if not len(index) or index.null_count:
+        return False
+    at = index.to_numpy()
+    return bool(np.array_equal(at, np.arange(len(at), dtype=at.dtype)))
 
 
 def _or(column: pa.ChunkedArray, default: pa.Scalar) -> pa.ChunkedArray:
