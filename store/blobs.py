@@ -43,7 +43,6 @@ import os
 import re
 import threading
 import uuid
-import weakref
 import zlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
@@ -51,7 +50,6 @@ from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence, Union
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import xxhash
 
@@ -60,6 +58,7 @@ from .blob_keys import names_rows, whole_chunk
 from .row_cut import RowCut, cut
 from .errors import StorageError
 from .settings import StoreSettings
+from .table_memo import TableMemo
 from .types import one_array
 
 _DEFAULTS = StoreSettings()
@@ -312,9 +311,9 @@ class BlobStore:
         # (segment, offset, length) -> (the chunk's values over its own buffer, its size)
         self._recent: OrderedDict[tuple[int, int, int], tuple[pa.Array, int]] = OrderedDict()
         self._recent_held = 0
-        # id of a cached put's table -> (the table, weakly; by key column, the chunk whose rows
-        # 0 … n-1 that column names in order, or None): see put_columns
-        self._whole: dict[int, tuple[weakref.ref, dict[int, tuple[int, int, int] | None]]] = {}
+        # by cached put's table: by key column, the chunk whose rows 0 … n-1 that column names
+        # in order, or None (see put_columns)
+        self._whole: TableMemo[dict[int, tuple[int, int, int] | None]] = TableMemo()
         try:
             if self._local:
                 os.makedirs(self.root, exist_ok=True)
@@ -631,12 +630,7 @@ class BlobStore:
 
     def _whole_memo(self, source: pa.Table) -> dict[int, tuple[int, int, int] | None]:
         """The whole chunks known for the columns of ``source`` (kept while it lives)."""
-        memo = id(source)
-        known = self._whole.get(memo)
-        if known is None or known[0]() is not source:
-            known = (weakref.ref(source, lambda _: self._whole.pop(memo, None)), {})
-            self._whole[memo] = known
-        return known[1]
+        return self._whole.of(source, dict)
 
     def _whole_chunks(self, source: pa.Table,
                       key_ats: Sequence[int]) -> list[tuple[int, int, int] | None]:

@@ -10,7 +10,6 @@ claims), and by-reference values are read from the blob store.
 from __future__ import annotations
 
 import itertools
-import weakref
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -27,6 +26,7 @@ from .readers import Readers
 from .row_cut import RowCut
 from .settings import StoreSettings
 from .sqlguard import predicate_query
+from .table_memo import TableMemo
 from .types import one_array
 
 #: Rows' claimable values by row id: a cached Arrow table and the row's index in it.
@@ -51,8 +51,7 @@ class ClaimEngine:
         self._blobs = blobs
         self._settings = settings
         self._poke = poke
-        # id of a cached put -> (a weak reference to it, its PutLayout)
-        self._layouts: dict[int, tuple[weakref.ref, PutLayout]] = {}
+        self._layouts: TableMemo[PutLayout] = TableMemo()   # by cached put
 
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:
@@ -235,14 +234,7 @@ class ClaimEngine:
     def _layout(self, live: LiveTable, table: pa.Table) -> "PutLayout":
         """How a cached put's claim columns divide (see :class:`PutLayout`), worked out on its
         first claim and kept while the put is cached (a cached put belongs to one table)."""
-        memo = id(table)
-        known = self._layouts.get(memo)
-        if known is not None and known[0]() is table:
-            return known[1]
-        layout = PutLayout.of(live, table)
-        self._layouts[memo] = (weakref.ref(table, lambda _: self._layouts.pop(memo, None)),
-                               layout)
-        return layout
+        return self._layouts.of(table, lambda: PutLayout.of(live, table))
 
     def _columns(self, live: LiveTable,
                  sources: dict[int, tuple[pa.Table, list[int], list[int]]]) -> dict[int, pa.Array]:
