@@ -153,8 +153,11 @@ class ClaimEngine:
     def _fetch(self, live: LiveTable, rows: list[Row]) -> pa.Table:
         """The claim's rows, from the claim cache where possible, else from DuckDB."""
         tdef = live.tdef
-        columns = self._cached_put_columns(live, rows)
-        if columns is None:
+        deliveries = [r.deliveries for r in rows]
+        delivery_count = (_first_deliveries(len(rows)) if deliveries.count(1) == len(rows)
+                          else pa.array(deliveries, pa.int32()))
+        one_put = self._cached_put(rows)
+        if one_put is None:
             payloads = [r.payload for r in rows]
             missing = [i for i, p in enumerate(payloads) if p is None or p is LOADING]
             if missing:
@@ -163,19 +166,18 @@ class ClaimEngine:
                     payloads[i] = loaded.get(rows[i].row_id)
             first = payloads[0]
             if first is not None and all(p is not None and p[0] is first[0] for p in payloads):
-                columns = self._one_put_columns(live, first[0],
-                                                RowCut([p[1] for p in payloads]))  # type: ignore[index]
+                one_put = first[0], [p[1] for p in payloads]  # type: ignore[index]
             else:
                 columns = self._columns(live, self._sources(live, rows, payloads))
-        deliveries = [r.deliveries for r in rows]
-        delivery_count = (_first_deliveries(len(rows)) if deliveries.count(1) == len(rows)
-                          else pa.array(deliveries, pa.int32()))
-        return pa.Table.from_arrays([delivery_count if at < 0 else columns[at]
-                                     for at in live.claim_sources], schema=tdef.claim_schema())
+                return pa.Table.from_arrays([delivery_count if at < 0 else columns[at]
+                                             for at in live.claim_sources],
+                                            schema=tdef.claim_schema())
+        return self._one_put_table(live, one_put[0], RowCut(one_put[1]), delivery_count)
 
-    def _cached_put_columns(self, live: LiveTable, rows: list[Row]) -> dict[int, pa.Array] | None:
-        """The claim's columns when every row's values are cached from one put (the usual
-        case), found in one pass over the rows; else None."""
+    @staticmethod
+    def _cached_put(rows: list[Row]) -> tuple[pa.Table, list[int]] | None:
+        """The cached put and the row numbers there of the claim's rows when every row's
+        values are cached from one put (the usual case), found in one pass; else None."""
         first = rows[0].payload
         if first is None or first is LOADING:
             return None
@@ -186,7 +188,7 @@ class ClaimEngine:
             if p is None or p is LOADING or p[0] is not table:
                 return None
             at.append(p[1])
-        return self._one_put_columns(live, table, RowCut(at))
+        return table, at
 
     @staticmethod
     def _sources(live: LiveTable, rows: list[Row], payloads: list[tuple[pa.Table, int] | None]
@@ -204,32 +206,41 @@ class ClaimEngine:
             entry[2].append(position)
         return sources
 
-    def _one_put_columns(self, live: LiveTable, table: pa.Table,
-                         rows: RowCut) -> dict[int, pa.Array]:
-        """The claim's columns (by position in the payload) from rows ``rows`` of one cached
-        put: the plain columns cut together, each by-reference column alone, from the put's
-        chunks by row number where they are held in memory (:meth:`BlobStore.put_columns`).
+    def _one_put_table(self, live: LiveTable, table: pa.Table, rows: RowCut,
+                       delivery_count: pa.Array) -> pa.Table:
+        """The claim's table from rows ``rows`` of one cached put: the plain columns cut
+        together, each by-reference column alone, from the put's chunks by row number where
+        they are held in memory (:meth:`BlobStore.put_columns`).
 
         Why not the whole cached table cut at once: its keys and inline placeholders would be
         cut too, for nothing, where the put's chunks are held. A by-reference column whose
         values the put holds all inline (no key: a narrow table's short strings) is cut with
-        the plain ones: cutting its keys to find that out cost more than its values. How a
-        put's columns divide so is worked out once per put (:class:`PutLayout`)."""
+        the plain ones: cutting its keys to find that out cost more than its values. Why the
+        other columns are inserted into the cut record batch, not the cut taken apart into
+        arrays and a table built of them: an Arrow object per column, and checking them
+        against the schema again, were much of a small claim's time in the store. How a put's
+        columns divide so is worked out once per put (:class:`PutLayout`)."""
         layout = self._layout(live, table)
         plain = layout.plain
-        cut = rows.rows_of(plain).columns if isinstance(plain, pa.RecordBatch) \
-            else rows.columns(plain)
-        columns = dict(zip(layout.plain_at, cut))
-        refs = layout.refs
         held = self._blobs.put_columns(table, layout.key_ats, rows, layout.value_types)
-        for (value_at, key_at), got in zip(refs, held):
+        refs: list[pa.Array] = []
+        for (value_at, key_at), got in zip(layout.refs, held):
             if got is None:
                 keys = rows.array(table.column(key_at))
                 got = rows.array(table.column(value_at))
                 if keys.null_count < len(keys):  # some values are in the blob store
                     got = self._resolved(got, keys)
-            columns[value_at] = got
-        return columns
+            refs.append(got)
+        schema = live.tdef.claim_schema()
+        if isinstance(plain, pa.RecordBatch):
+            batch = rows.rows_of(plain)
+            for position, field, i in layout.inserts:
+                batch = batch.add_column(position, field, delivery_count if i < 0 else refs[i])
+            return pa.Table.from_batches([batch], schema=schema)
+        columns = dict(zip(layout.plain_at, rows.columns(plain)))
+        columns.update((value_at, got) for (value_at, _), got in zip(layout.refs, refs))
+        return pa.Table.from_arrays([delivery_count if at < 0 else columns[at]
+                                     for at in live.claim_sources], schema=schema)
 
     def _layout(self, live: LiveTable, table: pa.Table) -> "PutLayout":
         """How a cached put's claim columns divide (see :class:`PutLayout`), worked out on its
@@ -318,13 +329,16 @@ class PutLayout(NamedTuple):
     """How the claim columns of one cached put divide, the same for each of its claims.
 
     Attributes:
-        plain_at: payload positions of the columns cut as they are: the plain ones, and the
-            by-reference ones whose values the put holds all inline (no key).
+        plain_at: payload positions of the columns cut as they are, in claim order: the plain
+            ones, and the by-reference ones whose values the put holds all inline (no key).
         plain: those columns of the put (one record batch where the put is one).
         refs: ``(value position, key position)`` of the by-reference columns read from the
             blob store.
         key_ats: their key positions.
         value_types: their value types.
+        inserts: where the other claim columns go into the cut ``plain`` batch to make the
+            claim's, in claim order: ``(claim position, claim field, i)``, ``i`` the index in
+            ``refs`` or -1 for ``delivery_count``.
     """
 
     plain_at: list[int]
@@ -332,6 +346,7 @@ class PutLayout(NamedTuple):
     refs: list[tuple[int, int]]
     key_ats: list[int]
     value_types: list[pa.DataType]
+    inserts: list[tuple[int, pa.Field, int]]
 
     @classmethod
     def of(cls, live: LiveTable, table: pa.Table) -> "PutLayout":
@@ -341,14 +356,19 @@ class PutLayout(NamedTuple):
             inline = [value_at for value_at, key_at in refs
                       if table.column(key_at).null_count == rows_put]
             if inline:
-                plain = plain + inline
+                sources = live.claim_sources
+                plain = sorted(plain + inline, key=sources.index)
                 refs = [ref for ref in refs if ref[0] not in inline]
+        ref_of = {value_at: i for i, (value_at, _) in enumerate(refs)}
+        claim = live.tdef.claim_schema()
+        inserts = [(position, claim.field(position), -1 if at < 0 else ref_of[at])
+                   for position, at in enumerate(live.claim_sources) if at < 0 or at in ref_of]
         selected = table.select(plain)
         batches = selected.to_batches()
         schema = table.schema
         return cls(plain, batches[0] if len(batches) == 1 else selected, refs,
                    [key_at for _, key_at in refs],
-                   [schema.field(value_at).type for value_at, _ in refs])
+                   [schema.field(value_at).type for value_at, _ in refs], inserts)
 
 
 _ONES = pa.array(np.ones(1024, np.int32))
