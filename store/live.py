@@ -94,7 +94,9 @@ class RowBlock:
     (``LiveTable.rows`` maps each of its keys to the block) and one entry per group; a group's rows
     become objects when the group is first read (:meth:`LiveTable._materialise`).
 
-    The rows of group ``g`` (``group_keys[g]``) are ``order[starts[g]:starts[g + 1]]``: arrays
+    The rows of group ``g`` (``group_keys[g]``) are ``order[starts[g]:starts[g + 1]]``, in claim
+    order (turn, trajectory): a group built from one block needs no sort (``_Group.in_order``).
+    Arrays
     for the block, not a list per group (nor a list and a tuple per group in ``_Group``), because
     every container that outlives a young collection counts toward Python's next full one, which
     walks the whole ready-row index: with flat arrays, embedded bulk puts ran fewer full
@@ -119,7 +121,7 @@ class RowBlock:
         self.codes = codes
         self.payload = payload
         self.group_keys = group_keys
-        self.order = np.argsort(codes, kind="stable")
+        self.order = np.lexsort((trajs, turns, codes))
         self.starts = np.concatenate(([0], np.cumsum(np.bincount(codes)))).tolist()
         self.min_version = min(gk[0] for gk in group_keys)
         self.left = len(keys)          # rows not yet built
@@ -139,13 +141,17 @@ class RowBlock:
 
 
 class _Group:
-    __slots__ = ("key", "ready", "in_heap", "lazy", "lazy_index", "lazy_more")
+    __slots__ = ("key", "ready", "in_order", "in_heap", "lazy", "lazy_index", "lazy_more")
 
     def __init__(self, key: GroupKey) -> None:
         self.key = key
         # Made on first use: most groups of a bulk put are built only when claimed, and a dict
         # per group of 8 rows cost as much as the group (allocation and collections).
         self.ready: dict[Key, Row] | None = None
+        # ``ready`` holds its rows in claim order (turn, trajectory), so a claim takes them as
+        # they are: rows built from one block (sorted, see RowBlock) into an empty group. Any
+        # other row added clears it; taking rows out keeps the order.
+        self.in_order = True
         self.in_heap = False
         # Ready rows of blocks not built yet (see RowBlock): the group is ``lazy_index`` of
         # block ``lazy``, and of more blocks in ``lazy_more`` (a group written by several bulk
@@ -217,7 +223,9 @@ class LiveTable:
         group = self._groups.get(gk)
         if group is None:
             group = self._groups[gk] = _Group(gk)
-        group.ready_map()[(row.sample_id, row.version)] = row
+        ready = group.ready_map()
+        group.in_order = not ready
+        ready[(row.sample_id, row.version)] = row
         self.ready_count += 1
         if not group.in_heap:
             heapq.heappush(self._heap, gk)
@@ -231,7 +239,9 @@ class LiveTable:
         if group is None:
             group = self._groups[gk] = _Group(gk)
         row.state = READY
-        group.ready_map()[key] = row
+        ready = group.ready_map()
+        group.in_order = not ready
+        ready[key] = row
         self.ready_count += 1
         if not group.in_heap:
             heapq.heappush(self._heap, gk)
@@ -279,6 +289,7 @@ class LiveTable:
         group.lazy = group.lazy_more = None
         rows = self.rows
         ready = group.ready_map()
+        group.in_order = not ready and len(lazy) == 1
         for block, g in lazy:
             keys, payload = block.keys, block.payload
             at = block.order[block.starts[g]:block.starts[g + 1]]
@@ -431,7 +442,8 @@ class LiveTable:
             for group in self._iter_groups():
                 seen.append(group)
                 assert group.ready is not None  # _iter_groups yields groups with ready rows
-                rows = sorted(group.ready.values(), key=_ORDER)
+                rows = list(group.ready.values()) if group.in_order \
+                    else sorted(group.ready.values(), key=_ORDER)
                 if accept is not None:
                     rows = [r for r in rows if accept(r)]
                 if group_size:

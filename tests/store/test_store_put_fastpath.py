@@ -268,6 +268,31 @@ def test_groups_interleaved_in_blocks_are_claimed_in_write_order(open_store):
     assert _blocked(s) == 0
 
 
+def test_a_group_is_claimed_in_turn_and_trajectory_order_however_its_rows_come_back(open_store):
+    """A block keeps each group's rows in claim order (turn, trajectory) whatever order they
+    were written in, so a claim takes them unsorted; rows that come back to a group (a nack,
+    a lease that ends) are put in their place again."""
+    s = open_store()
+    s.create_table("t", COLUMNS, lease_seconds=60)
+    order = [(turn, traj) for turn in range(2) for traj in range(4)]
+    for q in ("q0", "q1"):                                       # written backwards
+        s.put("t", [_full(f"{q}_{turn}_{traj}") for turn, traj in reversed(order)])
+    assert _blocked(s) == 16
+
+    def ids(claim):
+        return claim.data.column("sample_id").to_pylist()
+
+    first = s.claim("t", 3)
+    assert ids(first) == ["q0_0_0", "q0_0_1", "q0_0_2"]
+    s.nack(first.claim_id)                     # back into q0, after the rows that stayed
+    again = s.claim("t", 8)
+    assert ids(again) == [f"q0_{turn}_{traj}" for turn, traj in order]
+    assert again.data.column("delivery_count").to_pylist() == [2, 2, 2] + [1] * 5
+    assert ids(s.claim("t", 8, group_by="input_id", group_size=8)) == [
+        f"q1_{turn}_{traj}" for turn, traj in order]
+    assert _state(s)["processing"] == 16 and _blocked(s) == 0
+
+
 def test_a_bump_marks_rows_of_blocks_stale(open_store):
     s = open_store()
     s.create_table("t", COLUMNS, max_staleness=1)
