@@ -6,17 +6,6 @@ So the writer serialises each ref column of a put as one Arrow IPC stream (a *ch
 the chunks of a whole group commit to the current segment, fsyncs once, and only then commits
 the keys to DuckDB. A key is ``"{segment}:{offset}:{length}:{row}"``.
 
-A chunk is a 16-byte header, then the IPC stream: ``b"EXB2"``, four zero bytes, the stream's
-XXH3-64 (little-endian). Arrow IPC has no checksum of its own; without one, damaged bytes that
-still parse (text overwritten by other text) would be served as values. Chunks written before
-this header (format 1) start with the stream's CRC-32 instead, directly followed by the stream,
-whose first four bytes are IPC's continuation marker ``0xFFFFFFFF``; bytes 4–8 tell the two
-formats apart, and both are read. Where a column's type allows reading rows alone, a chunk is
-written in format 3 instead (``b"EXB3"``, a row index after the stream; see
-:mod:`store.blob_rows`). XXH3 replaced CRC-32 because checksumming was a noticeable share of
-the server's CPU for wide rows: XXH3 hashes several times faster than CRC-32, and releases the
-GIL while it does.
-
 Segments live in a directory beside the database by default; any ``pyarrow.fs.FileSystem`` (S3,
 GCS, a sub-tree) can be given instead, in which case each group commit writes one immutable
 segment object, since object stores cannot append.
@@ -24,16 +13,22 @@ segment object, since object stores cannot append.
 Local segments are written with ``O_DIRECT`` where the filesystem accepts it (page-cache
 writeback, not the device, limits buffered ``write`` + ``fsync``): each group commit then starts
 at a 4 KiB-aligned offset and its tail is padded with zeros to a 4 KiB boundary. Large chunks
-(:data:`IN_PLACE_MIN_BYTES` and up) are written from page-aligned memory with zeroed padding,
-each at a 4 KiB-aligned offset of its own: a :class:`ColumnChunk` (a column of 4 MiB and more
-that arrived in read-only buffers) is serialised only then, into one of two buffers kept for that, while the one
-before it is written from the other; a chunk serialised by the caller
-(:func:`serialize_chunk_buffer`) is written from its own memory. Smaller ones are copied back
-to back through a page-aligned staging buffer. Keys carry offsets, so readers never see the
-padding (nothing reads a segment sequentially); segments written before, or by the buffered
-fallback (filesystems that refuse ``O_DIRECT``, such as tmpfs on older kernels, or
-``EXPSTORE_BLOB_DIRECT_IO=0``), have no padding; all read the same way. A write is still
-followed by ``fsync`` before any key is committed.
+(:data:`~store.blob_chunks.IN_PLACE_MIN_BYTES` and up) are written from page-aligned memory with
+zeroed padding, each at a 4 KiB-aligned offset of its own: a
+:class:`~store.blob_chunks.ColumnChunk` (a column of 4 MiB and more that arrived in read-only
+buffers) is serialised only then, into one of two buffers kept for that, while the one before it
+is written from the other; a chunk serialised by the caller
+(:func:`~store.blob_chunks.serialize_chunk_buffer`) is written from its own memory. Smaller ones
+are copied back to back through a page-aligned staging buffer. Keys carry offsets, so readers
+never see the padding (nothing reads a segment sequentially); segments written before, or by the
+buffered fallback (filesystems that refuse ``O_DIRECT``, such as tmpfs on older kernels, or
+``EXPSTORE_BLOB_DIRECT_IO=0``), have no padding; all read the same way. A write is still followed
+by ``fsync`` before any key is committed.
+
+What a chunk's bytes are (the format, its checksum, the memory it is serialised into) is
+:mod:`store.blob_chunks`; how bytes reach a segment file and are read back at the operating
+system's level (``O_DIRECT``, ``pwrite``, open descriptors) is :mod:`store.blob_files`; this
+module decides where each chunk goes, when it is durable, and what stays in memory for reads.
 """
 from __future__ import annotations
 
@@ -42,18 +37,20 @@ import mmap
 import os
 import re
 import threading
-import uuid
-import zlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence, Union
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import xxhash
 
 from . import blob_rows
+from .blob_chunks import (ALIGN, HEADER_BYTES, IN_PLACE_MIN_BYTES, Chunk, ColumnChunk,
+                          align_up, chunk_body, in_memory, in_place)
+from .blob_files import (DIRECT_IO, O_DIRECT, OpenSegment, Staged, probe_direct, pwrite_all,
+                         pwrite_pieces, write_staged)
 from .blob_keys import names_rows, whole_chunk
 from .row_cut import RowCut, cut
 from .errors import StorageError
@@ -64,221 +61,18 @@ from .types import one_array
 _DEFAULTS = StoreSettings()
 _SEGMENT_NAME = re.compile(r"^seg-(\d{8})\.arrow$")
 
-
-CHUNK_MAGIC = b"EXB2"
-HEADER_BYTES = 16                   # magic, 4 zero bytes, XXH3-64: keeps the stream 8-aligned
-_IPC_CONTINUATION = b"\xff\xff\xff\xff"  # bytes 4-8 of a format-1 chunk (CRC-32 first)
-
-# O_DIRECT segment writes: off with EXPSTORE_BLOB_DIRECT_IO=0 (or StoreSettings.blob_direct_io),
-# and off by itself where the filesystem refuses them.
-DIRECT_IO = os.environ.get("EXPSTORE_BLOB_DIRECT_IO", "1").strip().lower() not in (
-    "0", "false", "no", "off")
-_O_DIRECT: int | None = getattr(os, "O_DIRECT", None)
-ALIGN = 4096                        # group commits start at multiples of this when O_DIRECT is on
 DIRECT_MIN_BYTES = 64 << 10         # smaller group commits are written buffered (same alignment;
                                     # no faster either way there)
 STAGING_BYTES = 16 << 20            # the page-aligned buffer O_DIRECT writes go through
-# Chunks from this size on are written by O_DIRECT straight from their own memory, each at an
-# aligned offset with up to 4 KiB of zero padding after it. Why: copying a large chunk through
-# the staging buffer holds the GIL for the whole copy and made the write markedly longer.
-IN_PLACE_MIN_BYTES = 64 << 10
 # ColumnChunks up to this size are serialised, for an O_DIRECT write, into one of two buffers
 # the store keeps (their pages stay mapped from one write to the next; each grows to the largest
 # chunk it took); larger ones into new memory.
 SLOT_BYTES = 32 << 20
-# A column is serialised when written (a ColumnChunk) only from this chunk size on: smaller
-# chunks of a stream of batches went faster serialised at prepare, off the writer's path, while
-# the writer wrote the batch before (BENCHMARKS.md, issue 30).
-DEFER_MIN_BYTES = 4 << 20
 # Writes of serialised ColumnChunks, so that the next one is serialised meanwhile (a few
 # threads: several stores in one process write at once).
 _WRITES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="expstore-blob-write")
-_IOV_MAX = 1024                     # buffers per pwritev call (Linux's IOV_MAX)
 INDEX_CACHE = 4096                  # format-3 chunk indexes kept parsed (a few KB each)
 OPEN_SEGMENTS = 16                  # segment files kept open for reading
-
-# What BlobStore.append takes: the buffer of serialize_chunk_buffer (or its bytes), or a
-# ColumnChunk (defined below) to serialise when it is written.
-Chunk = Union[bytes, pa.Buffer, "ColumnChunk"]
-
-
-class _Staged(NamedTuple):
-    """A chunk staged for the next sync, where it goes, and (written in place) its padded
-    memory."""
-
-    offset: int
-    chunk: Chunk
-    whole: memoryview | None
-
-
-class _Layout(NamedTuple):
-    """Where a column's chunk puts its parts (see :func:`serialize_chunk_buffer`)."""
-
-    stream: int                     # bytes of the IPC stream
-    length: int                     # the chunk's bytes: header, stream, index
-    schema: bytes | None            # format 3: the schema message the index carries
-    block_rows: int
-    index_len: int
-
-
-def _layout(values: pa.Array) -> _Layout:
-    """The chunk's sizes, without writing it (the IPC stream counted, not copied)."""
-    batch = pa.record_batch([values], names=["v"])
-    size = pa.MockOutputStream()                     # counts bytes, copies nothing
-    with pa.ipc.new_stream(size, batch.schema) as w:
-        w.write_batch(batch)
-    stream = size.size()
-    if not (blob_rows.supported(values.type) and len(values) > 0):
-        return _Layout(stream, HEADER_BYTES + stream, None, 0, 0)
-    schema = batch.schema.serialize().to_pybytes()
-    block_rows = blob_rows.block_rows_for(values)
-    index_len = blob_rows.index_size(len(schema), len(values.buffers()),
-                                     -(-len(values) // block_rows))
-    return _Layout(stream, HEADER_BYTES + stream + index_len, schema, block_rows, index_len)
-
-
-def _write_chunk(values: pa.Array, layout: _Layout, into: pa.Buffer) -> None:
-    """Write the chunk of ``values`` at the start of the mutable buffer ``into``, then zeros up
-    to the next 4 KiB boundary (``into`` holds at least that much)."""
-    length = layout.length
-    batch = pa.record_batch([values], names=["v"])
-    sink = pa.FixedSizeBufferWriter(into)
-    sink.write(bytes(HEADER_BYTES))
-    with pa.ipc.new_stream(sink, batch.schema) as w:
-        w.write_batch(batch)
-    if layout.schema is not None:
-        chunk = into.slice(0, length)
-        column = pa.ipc.open_stream(chunk.slice(HEADER_BYTES, layout.stream)) \
-            .read_next_batch()[0]
-        index = blob_rows.build_index(column, chunk, layout.schema, layout.block_rows)
-        assert len(index) == layout.index_len
-        sink.write(index)
-        head = blob_rows.INDEX_MAGIC + len(index).to_bytes(4, "little") + \
-            xxhash.xxh3_64_intdigest(index).to_bytes(8, "little")
-    else:
-        digest = xxhash.xxh3_64_intdigest(memoryview(into)[HEADER_BYTES:length])
-        head = CHUNK_MAGIC + bytes(4) + digest.to_bytes(8, "little")
-    sink.write(bytes(_align_up(length) - length))
-    pa.FixedSizeBufferWriter(into).write(head)
-
-
-def serialize_chunk_buffer(values: pa.Array) -> pa.Buffer:
-    """One column's large values as a chunk, serialised on the caller's thread into one Arrow
-    buffer written once: format 3 (header, IPC stream, row index; see :mod:`store.blob_rows`)
-    where the type allows reading rows alone, else format 2 (header, IPC stream).
-
-    The buffer is the start of an allocation padded with zeros to a 4 KiB multiple, so that a
-    large chunk can be written by O_DIRECT in place (see :func:`_in_place`)."""
-    return ColumnChunk(values).serialized()
-
-
-def column_chunk(values: pa.Array, *, owned: bool) -> Chunk:
-    """``values`` as a chunk to append: a :class:`ColumnChunk`, serialised when it is written,
-    where nothing can change the values meanwhile (``owned``: arrays only the store holds, or
-    made of :func:`read_only` ones) and the chunk is large (:data:`DEFER_MIN_BYTES`); else
-    serialised now (a caller's arrays may lie over memory it changes later, a numpy array's)."""
-    if owned:
-        chunk = ColumnChunk(values)
-        if len(chunk) >= DEFER_MIN_BYTES:
-            return chunk
-    return serialize_chunk_buffer(values)
-
-
-def read_only(values: pa.Array | pa.ChunkedArray) -> bool:
-    """Whether every buffer of ``values`` is a slice of a read-only buffer, as those read from an
-    Arrow IPC stream are (a Flight batch): no one can change them."""
-    chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
-    return all(buf is None or (buf.parent is not None and not buf.parent.is_mutable)
-               for chunk in chunks for buf in chunk.buffers())
-
-
-class ColumnChunk:
-    """A column to be stored as one chunk, serialised only when the blob store writes it: into
-    a buffer the store reuses from one write to the next (O_DIRECT), or, elsewhere, into memory
-    of its own (:func:`serialize_chunk_buffer`). The chunk is the same either way; its length
-    is known at once (keys are made before the write).
-
-    Why: serialising every put's chunks into new memory made the kernel fault in and zero that
-    memory first, which cost a 40 MiB put more than the copy itself; the values are kept in
-    memory for reads (see :meth:`BlobStore._keep_recent`) as they came, not as a copy."""
-
-    __slots__ = ("values", "layout")
-
-    def __init__(self, values: pa.Array) -> None:
-        self.values = values
-        self.layout = _layout(values)
-
-    def __len__(self) -> int:
-        return self.layout.length
-
-    def write_into(self, into: pa.Buffer) -> int:
-        """Serialise into ``into`` (mutable, at least :meth:`padded` bytes); return
-        :meth:`padded`."""
-        _write_chunk(self.values, self.layout, into)
-        return self.padded()
-
-    def padded(self) -> int:
-        return _align_up(self.layout.length)
-
-    def serialized(self) -> pa.Buffer:
-        """The chunk in memory of its own."""
-        padded = pa.allocate_buffer(self.padded())  # slices are read-only: write this one
-        _write_chunk(self.values, self.layout, padded)
-        return padded.slice(0, self.layout.length)
-
-
-def chunk_body(data: bytes) -> memoryview | None:
-    """The IPC stream of a chunk whose checksum matches, else None (either format)."""
-    head = bytes(data[:HEADER_BYTES])
-    if head[4:8] == _IPC_CONTINUATION:               # format 1: CRC-32, then the stream
-        body = memoryview(data)[4:]
-        return body if zlib.crc32(body).to_bytes(4, "little") == head[:4] else None
-    if head[:8] == CHUNK_MAGIC + bytes(4) and len(head) == HEADER_BYTES:
-        body = memoryview(data)[HEADER_BYTES:]
-        return body if xxhash.xxh3_64_intdigest(body).to_bytes(8, "little") == head[8:] \
-            else None
-    return None
-
-
-def _align_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _in_place(chunk: Chunk) -> memoryview | None:
-    """The chunk and its padding as one O_DIRECT-writable view, if it can be written in place:
-    a large chunk from :func:`serialize_chunk_buffer`, i.e. a slice at the start of a
-    page-aligned buffer that reaches (zero-padded) to the next 4 KiB boundary."""
-    if not isinstance(chunk, pa.Buffer) or len(chunk) < IN_PLACE_MIN_BYTES:
-        return None
-    whole = chunk.parent
-    end = _align_up(len(chunk))
-    if whole is None or whole.address != chunk.address or chunk.address % ALIGN \
-            or whole.size < end:
-        return None
-    return memoryview(whole)[:end]
-
-
-def _probe_direct(root: str, wanted: bool = True) -> bool:
-    """Whether ``root``'s filesystem takes an aligned O_DIRECT write (tmpfs refuses the open)."""
-    if not wanted or _O_DIRECT is None:
-        return False
-    path = os.path.join(root, f".direct-probe-{uuid.uuid4().hex}")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
-    except OSError:
-        return False
-    buf = mmap.mmap(-1, ALIGN)
-    try:
-        return os.pwrite(fd, buf, 0) == ALIGN
-    except OSError:
-        return False
-    finally:
-        buf.close()
-        os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 class BlobStore:
@@ -296,7 +90,7 @@ class BlobStore:
         self.root = root.rstrip("/")
         self._fs = filesystem
         self._local = filesystem is None or isinstance(filesystem, pafs.LocalFileSystem)
-        self._pending: list[_Staged] = []
+        self._pending: list[Staged] = []
         self._start = 0                  # where the staged chunks go in the current segment
         self._end = 0                    # where the next staged chunk goes
         self._staging: mmap.mmap | None = None
@@ -305,7 +99,7 @@ class BlobStore:
         self._cache_lock = threading.Lock()
         self._indexes: OrderedDict[tuple[int, int, int], blob_rows.ChunkIndex | None] = \
             OrderedDict()
-        self._fds: OrderedDict[int, _OpenSegment] = OrderedDict()
+        self._fds: OrderedDict[int, OpenSegment] = OrderedDict()
         self.recent_bytes = recent_bytes
         self.segment_bytes = segment_bytes
         # (segment, offset, length) -> (the chunk's values over its own buffer, its size)
@@ -324,7 +118,7 @@ class BlobStore:
         except OSError as e:
             raise StorageError(f"cannot use blob directory {self.root!r}: {e}") from e
         # Decided once per store; a write refused later (EINVAL) turns it off for good.
-        self._direct = self._local and _probe_direct(
+        self._direct = self._local and probe_direct(
             self.root, DIRECT_IO if direct_io is None else direct_io)
         self._segment = max(segments) if segments else 0
         self._size = self._segment_size(self._segment) if segments else 0
@@ -363,17 +157,17 @@ class BlobStore:
                 self._size = 0
             # O_DIRECT writes start on a block boundary; what lies before it is padding (or,
             # after a crash, a torn tail) that no key points into.
-            self._start = self._end = _align_up(self._size) if self._direct else self._size
+            self._start = self._end = align_up(self._size) if self._direct else self._size
         if isinstance(chunk, ColumnChunk) and self._direct and len(chunk) < IN_PLACE_MIN_BYTES:
             chunk = chunk.serialized()  # copied back to back, as other small chunks are
-        whole = _in_place(chunk) if self._direct else None
+        whole = in_place(chunk) if self._direct else None
         aligned = self._direct and (whole is not None or isinstance(chunk, ColumnChunk))
         if aligned:
             # written from a page-aligned buffer: on a block boundary, padded to the next one
-            self._end = _align_up(self._end)
-        self._pending.append(_Staged(self._end, chunk, whole))
+            self._end = align_up(self._end)
+        self._pending.append(Staged(self._end, chunk, whole))
         key = f"{self._segment}:{self._end}:{len(chunk)}"
-        self._end += _align_up(len(chunk)) if aligned else len(chunk)
+        self._end += align_up(len(chunk)) if aligned else len(chunk)
         return key
 
     @property
@@ -399,14 +193,14 @@ class BlobStore:
                 assert self._fs is not None
                 with self._fs.open_output_stream(path) as out:
                     for piece in pieces:       # back to back: only local stores pad
-                        out.write(_in_memory(piece.chunk))
+                        out.write(in_memory(piece.chunk))
                 self._segment += 1
                 self._size = 0
         except OSError as e:
             raise StorageError(f"cannot write blob segment {path!r}: {e}") from e
         self._keep_recent(segment, pieces)
 
-    def _keep_recent(self, segment: int, pieces: list[_Staged]) -> None:
+    def _keep_recent(self, segment: int, pieces: list[Staged]) -> None:
         """Keep the chunks just made durable readable from memory, the newest up to
         :attr:`recent_bytes`: their values as arrays over the buffers the put serialised them
         into (nothing is copied), from which a read slices or takes its rows.
@@ -436,7 +230,7 @@ class BlobStore:
             while self._recent_held > self.recent_bytes:
                 self._recent_held -= self._recent.popitem(last=False)[1][1]
 
-    def _write_local(self, path: str, pieces: list[_Staged], start: int, total: int) -> int:
+    def _write_local(self, path: str, pieces: list[Staged], start: int, total: int) -> int:
         """Write ``pieces`` at ``start`` and fsync; return the segment's new end. A failed
         write is cut off again (it would otherwise leave garbage that later offsets skip)."""
         if self._direct and total >= DIRECT_MIN_BYTES:
@@ -447,7 +241,7 @@ class BlobStore:
                     raise
                 self._direct = False     # refused here: buffered from now on, and rewrite
         with self._appending(path, 0) as fd:
-            _pwrite_pieces(fd, pieces)
+            pwrite_pieces(fd, pieces)
         return start + total
 
     @contextmanager
@@ -465,18 +259,18 @@ class BlobStore:
         finally:
             os.close(fd)
 
-    def _write_direct(self, path: str, pieces: list[_Staged], start: int, total: int) -> int:
+    def _write_direct(self, path: str, pieces: list[Staged], start: int, total: int) -> int:
         """O_DIRECT: ColumnChunks serialised into two slots in turn, each written (on a write
         thread) while the next is serialised; other large chunks straight from their own
         page-aligned, padded memory; the others copied through a page-aligned buffer into
         block-aligned writes, each run's last write padded with zeros; fsync (file size, device
         cache) as in the buffered path."""
-        assert _O_DIRECT is not None and start % ALIGN == 0
+        assert O_DIRECT is not None and start % ALIGN == 0
         if self._staging is None:
-            self._staging = mmap.mmap(-1, _align_up(max(STAGING_BYTES, ALIGN)))
+            self._staging = mmap.mmap(-1, align_up(max(STAGING_BYTES, ALIGN)))
         staging = self._staging
         cap = len(staging)
-        with self._appending(path, _O_DIRECT) as fd:
+        with self._appending(path, O_DIRECT) as fd:
             offset, fill = start, 0            # the staging buffer holds [offset, offset + fill)
             # A ColumnChunk is serialised into one of two slots while the one before it is
             # written from the other (on a write thread): ``writing`` is that write.
@@ -491,7 +285,7 @@ class BlobStore:
                     if writing is not None:
                         done, writing = writing, None
                         done.result()
-                    writing = _WRITES.submit(_pwrite_all, fd, view[:n], piece.offset)
+                    writing = _WRITES.submit(pwrite_all, fd, view[:n], piece.offset)
                     slot ^= 1
                 if writing is not None:
                     done, writing = writing, None
@@ -502,15 +296,15 @@ class BlobStore:
             for piece in pieces:
                 if isinstance(piece.chunk, ColumnChunk):
                     if fill:                   # the run before it ends where it starts
-                        _write_staged(fd, staging, fill, offset)
+                        write_staged(fd, staging, fill, offset)
                         fill = 0
                     offset = piece.offset + piece.chunk.padded()
                     continue
                 if piece.whole is not None:
                     if fill:                   # the run before it ends where it starts
-                        _write_staged(fd, staging, fill, offset)
+                        write_staged(fd, staging, fill, offset)
                         fill = 0
-                    offset = _pwrite_all(fd, piece.whole, piece.offset)
+                    offset = pwrite_all(fd, piece.whole, piece.offset)
                     continue
                 with memoryview(piece.chunk) as view:
                     pos, n = 0, len(view)
@@ -520,10 +314,10 @@ class BlobStore:
                         fill += take
                         pos += take
                         if fill == cap:
-                            offset = _write_staged(fd, staging, cap, offset)
+                            offset = write_staged(fd, staging, cap, offset)
                             fill = 0
             if fill:
-                offset = _write_staged(fd, staging, fill, offset)
+                offset = write_staged(fd, staging, fill, offset)
         return offset
 
     def roll(self) -> None:
@@ -820,14 +614,14 @@ class BlobStore:
             return buf
         return read_local
 
-    def _fd(self, segment: int) -> "_OpenSegment":
+    def _fd(self, segment: int) -> "OpenSegment":
         with self._cache_lock:
             handle = self._fds.get(segment)
             if handle is not None:
                 self._fds.move_to_end(segment)
                 return handle
             try:
-                handle = _OpenSegment(os.open(self._path(segment), os.O_RDONLY))
+                handle = OpenSegment(os.open(self._path(segment), os.O_RDONLY))
             except OSError as e:
                 raise StorageError(f"blob segment {self._path(segment)!r} cannot be read: "
                                    f"{e}") from e
@@ -877,42 +671,7 @@ class BlobStore:
         return {"segments_removed": removed, "bytes_freed": freed}
 
 
-class _OpenSegment:
-    """A segment's read descriptor, closed when the last reference to it goes: a read under
-    way keeps it open while the cache lets go of it (a closed number could be reused by
-    another file meanwhile)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __del__(self) -> None:
-        os.close(self.fd)
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> int:
-    """Write all of ``view`` at ``offset``; return the offset after it."""
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n
-    return offset
-
-
-def _write_staged(fd: int, staging: mmap.mmap, fill: int, offset: int) -> int:
-    """Write the staging buffer's first ``fill`` bytes at ``offset``, zero-padded to a block
-    boundary (O_DIRECT writes whole blocks); return the offset after them."""
-    padded = _align_up(fill)
-    staging[fill:padded] = bytes(padded - fill)
-    with memoryview(staging) as out:
-        return _pwrite_all(fd, out[:padded], offset)
-
-
-def _in_memory(chunk: Chunk) -> bytes | pa.Buffer:
-    """A chunk's bytes (a ColumnChunk serialised)."""
-    return chunk.serialized() if isinstance(chunk, ColumnChunk) else chunk
-
-
-def _as_received(segment: int, pieces: Sequence[_Staged]) \
+def _as_received(segment: int, pieces: Sequence[Staged]) \
         -> list[tuple[tuple[int, int, int], pa.Array, int]]:
     """The values of the ColumnChunks among ``pieces`` by chunk, to keep in memory for reads,
     and the bytes each holds.
@@ -943,35 +702,3 @@ def _parents(values: pa.Array) -> dict[int, int]:
     """The buffers ``values``' buffers (its children's too) are slices of (address: size)."""
     return {buf.parent.address: buf.parent.size for buf in values.buffers()
             if buf is not None and buf.parent is not None}
-
-
-def _pwrite_pieces(fd: int, pieces: Sequence[_Staged]) -> None:
-    """Write each piece at its offset (padding included), a run of adjacent ones with pwritev,
-    without joining them."""
-    views = [(p.offset, memoryview(p.whole if p.whole is not None else _in_memory(p.chunk))
-              .cast("B")) for p in pieces if len(p.chunk)]
-    i = 0
-    while i < len(views):
-        j = i + 1
-        while j < len(views) and views[j][0] == views[j - 1][0] + len(views[j - 1][1]):
-            j += 1
-        _pwritev_run(fd, [v for _, v in views[i:j]], views[i][0])
-        i = j
-
-
-def _pwritev_run(fd: int, views: list[memoryview], offset: int) -> None:
-    """Write ``views`` back to back from ``offset``."""
-    if not hasattr(os, "pwritev"):
-        _pwrite_all(fd, memoryview(b"".join(views)), offset)
-        return
-    i = 0
-    while i < len(views):
-        n = os.pwritev(fd, views[i:i + _IOV_MAX], offset)
-        offset += n
-        while n and i < len(views):
-            if n >= len(views[i]):
-                n -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0

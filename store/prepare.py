@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import tensors
-from .blobs import Chunk, column_chunk, read_only
+from .blob_chunks import Chunk, column_chunk, read_only
 from .errors import InvalidArgument, SchemaMismatch
 from .schema import META_NAMES, WRITABLE_META, TableDef
 from .naming import MAX_SAMPLE_ID, SAMPLE_ID_PATTERN, sample_id_problem
@@ -377,7 +377,7 @@ def _as_type(table: pa.Table, name: str, target: pa.DataType, *,
     buffer with every column in it, and a column kept without a copy (in the cache of claimable
     values) keeps all of it alive, large values included: without it, ingesting wide rows ran
     far slower while the server's memory grew by each batch. Values stored by reference are
-    copied once, into their chunk when it is written (:class:`store.blobs.ColumnChunk`), not
+    copied once, into their chunk when it is written (:class:`store.blob_chunks.ColumnChunk`), not
     into buffers of their own as well; the blob store decides whether to keep them as they
     came.
     """
@@ -419,7 +419,7 @@ def _split(name: str, values: pa.Array, storage: str, threshold: int,
     The values of a column that can be stored by reference may point into the received batch
     (``_as_type(copy=False)``): what is kept inline is a copy, and the chunk is serialised when
     the blob store writes it where the column was sent in read-only buffers
-    (``sent_read_only``, see :func:`store.blobs.column_chunk`), else now. Those of a column
+    (``sent_read_only``, see :func:`store.blob_chunks.column_chunk`), else now. Those of a column
     stored only by value are already a copy."""
     n = len(values)
     null_index = pa.nulls(n, pa.int64())

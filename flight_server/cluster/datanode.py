@@ -26,7 +26,8 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from store.blobs import BlobStore, Chunk, ColumnChunk, read_only, serialize_chunk_buffer
+from store.blob_chunks import Chunk, ColumnChunk, read_only, serialize_chunk_buffer
+from store.blobs import BlobStore
 from store.errors import InvalidArgument, NotFound, Unavailable
 from store.types import one_array, parse_type
 

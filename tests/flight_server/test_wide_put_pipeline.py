@@ -20,6 +20,7 @@ import pytest
 
 from store.settings import StoreSettings
 import store
+import store.blob_chunks as blob_chunks
 import store.blobs as blobs
 import store.writer as writer
 from flight_fixtures import put_batches, query, running_server
@@ -283,7 +284,7 @@ def test_a_failed_statement_waits_for_the_blob_write_and_commits_nothing(embedde
 
 def test_large_columns_sent_by_flight_read_back_the_same_every_way(tmp_path, monkeypatch):
     """Columns of 4 MB and more that arrive in a Flight batch are written by the blob thread
-    (store.blobs.ColumnChunk) and the newest stay in memory as they arrived, not as a copy:
+    (store.blob_chunks.ColumnChunk) and the newest stay in memory as they arrived, not as a copy:
     claims, ``SELECT *`` and a query taking the values through DuckDB all give back what was
     sent, fresh (from memory) and after the server restarted (from the segments)."""
     import numpy as np
@@ -309,8 +310,8 @@ def test_large_columns_sent_by_flight_read_back_the_same_every_way(tmp_path, mon
             {k: expected[k] for k in ("q7_0_0", "q900_0_0")}
 
     written = []
-    real = blobs.ColumnChunk.write_into
-    monkeypatch.setattr(blobs.ColumnChunk, "write_into",
+    real = blob_chunks.ColumnChunk.write_into
+    monkeypatch.setattr(blob_chunks.ColumnChunk, "write_into",
                         lambda self, into: written.append(len(self)) or real(self, into))
     db = tmp_path / "big.duckdb"
     with running_server(db) as srv:
@@ -318,7 +319,7 @@ def test_large_columns_sent_by_flight_read_back_the_same_every_way(tmp_path, mon
             s.create_table("big", {"v": "list<float32>", "t": "string"},
                            storage={"v": "ref", "t": "ref"})
             s.put("big", sent)
-            assert len(written) == 2 and min(written) >= blobs.DEFER_MIN_BYTES
+            assert len(written) == 2 and min(written) >= blob_chunks.DEFER_MIN_BYTES
             check(s)
             for size in (16, 64):
                 c = s.claim("big", size)

@@ -32,8 +32,8 @@ STORE_LAYERS = {
     "store.errors": MODEL, "store.naming": MODEL, "store.types": MODEL, "store.tensors": MODEL,
     "store.schema": MODEL, "store.settings": MODEL, "store.cache": MODEL, "store.ipc": MODEL,
     "store.barrier": MODEL, "store.blob_rows": MODEL, "store.row_cut": MODEL, "store.blobs": MODEL,
-    "store.blob_keys": MODEL, "store.prepare": MODEL, "store.deadlines": MODEL,
-    "store.table_memo": MODEL,
+    "store.blob_keys": MODEL, "store.blob_chunks": MODEL, "store.blob_files": MODEL,
+    "store.prepare": MODEL, "store.deadlines": MODEL, "store.table_memo": MODEL,
     # DuckDB and storage helpers: opening a database, Arrow sources, the SQL guard and the query
     # views, the put log's format, storage faults; claim requests and the Store protocol sit
     # here because a request's predicate is checked by the SQL guard, which parses with DuckDB

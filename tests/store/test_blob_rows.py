@@ -15,7 +15,8 @@ import pytest
 import store
 from store import blob_rows, tensors
 from store.blob_keys import keys_for
-from store.blobs import BlobStore, serialize_chunk_buffer
+from store.blob_chunks import serialize_chunk_buffer
+from store.blobs import BlobStore
 from store.errors import StorageError
 from store.row_cut import RowCut
 

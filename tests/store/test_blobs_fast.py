@@ -22,9 +22,12 @@ import pytest
 import xxhash
 
 import store
+import store.blob_chunks as blob_chunks
+import store.blob_files as blob_files
 import store.blobs as blobs
 from store import blob_rows
-from store.blobs import ALIGN, BlobStore, serialize_chunk_buffer
+from store.blob_chunks import ALIGN, serialize_chunk_buffer
+from store.blobs import BlobStore
 from store.errors import StorageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,16 +89,16 @@ def test_chunk_body_checks_either_format_and_refuses_damage():
     body = _ipc_stream(arr)
     new = _format2_chunk(arr)
     old = _old_serialize_chunk(arr)
-    assert bytes(blobs.chunk_body(new)) == body
-    assert bytes(blobs.chunk_body(old)) == body
+    assert bytes(blob_chunks.chunk_body(new)) == body
+    assert bytes(blob_chunks.chunk_body(old)) == body
     for chunk in (new, old):
         for pos in (0, 5, 9, len(chunk) // 2, len(chunk) - 1):  # header, digest, body
             damaged = bytearray(chunk)
             damaged[pos] ^= 0x20
-            assert blobs.chunk_body(bytes(damaged)) is None, pos
+            assert blob_chunks.chunk_body(bytes(damaged)) is None, pos
     # A new chunk whose bytes 4-8 turned into IPC's marker is read as format 1: still refused.
-    assert blobs.chunk_body(new[:4] + b"\xff" * 4 + new[8:]) is None
-    assert blobs.chunk_body(b"") is None and blobs.chunk_body(b"EXB2") is None
+    assert blob_chunks.chunk_body(new[:4] + b"\xff" * 4 + new[8:]) is None
+    assert blob_chunks.chunk_body(b"") is None and blob_chunks.chunk_body(b"EXB2") is None
 
 
 @pytest.mark.parametrize("where", ["value", "index"])
@@ -141,13 +144,13 @@ def test_segments_round_trip_small_and_big_group_commits(tmp_path, monkeypatch, 
         lengths = [int(k.split(":")[2]) for k in keys]
         # Large chunks from serialize_chunk_buffer are written by O_DIRECT from their own
         # memory, on a block boundary; the others lie back to back.
-        in_place = [direct and i % 2 == 1 and n >= blobs.IN_PLACE_MIN_BYTES for n in lengths]
+        in_place = [direct and i % 2 == 1 and n >= blob_chunks.IN_PLACE_MIN_BYTES for n in lengths]
         if i == 1:  # big chunks given as buffers: written in place exactly when O_DIRECT is on
             assert all(in_place) is direct
         for j in (1, 2):
             prev_end = starts[j - 1] + lengths[j - 1]
             aligned = in_place[j] or in_place[j - 1]
-            assert starts[j] == (blobs._align_up(prev_end) if aligned else prev_end), (i, j)
+            assert starts[j] == (blob_chunks.align_up(prev_end) if aligned else prev_end), (i, j)
         prev_end = ends[-2] if len(ends) > 1 else 0
         if direct:
             # A group starts on a block boundary; big ones end on one too. Every gap is zeros.
@@ -172,7 +175,7 @@ def test_segments_round_trip_small_and_big_group_commits(tmp_path, monkeypatch, 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
 def test_a_batch_bigger_than_the_staging_buffer_and_many_pieces(tmp_path, monkeypatch, direct):
     monkeypatch.setattr(blobs, "STAGING_BYTES", 64 << 10)
-    monkeypatch.setattr(blobs, "_IOV_MAX", 7)
+    monkeypatch.setattr(blob_files, "_IOV_MAX", 7)
     b = _open(str(tmp_path / "blobs"), direct, monkeypatch)
     arrays = [_values(5, 3001 + 37 * j, f"p{j}") for j in range(40)]     # ~600 KB, 40 pieces
     keys = _put(b, arrays)
@@ -190,7 +193,7 @@ def test_chunks_written_in_place_between_copied_ones(tmp_path, monkeypatch, dire
               for j in range(16)] + [_values(60, 900, f"s{j}") for j in range(2)]
     chunks = [serialize_chunk_buffer(a) for a in arrays]
     keys = [b.append(c) for c in chunks]
-    assert sum(blobs._in_place(c) is not None for c in chunks) == 6
+    assert sum(blob_chunks.in_place(c) is not None for c in chunks) == 6
     b.sync()
     _check(b, keys, arrays)
     _check(BlobStore(str(tmp_path / "blobs")), keys, arrays)
@@ -236,15 +239,15 @@ def _ipc_stream_of(batch: pa.RecordBatch) -> bytes:
 def test_read_only_tells_received_columns_from_a_callers_arrays():
     import numpy as np
     received = _received(_values(10, 100, "r"), pa.array(np.arange(10.0)))
-    assert all(blobs.read_only(c) for c in received)
-    assert blobs.read_only(pa.chunked_array(received[:1]))
-    assert not blobs.read_only(pa.array(np.arange(10.0)))         # over numpy's memory
-    assert not blobs.read_only(_values(10, 100, "mine"))
-    assert isinstance(blobs.column_chunk(received[0], owned=False), pa.Buffer)
-    assert isinstance(blobs.column_chunk(received[0], owned=True), pa.Buffer)   # small
+    assert all(blob_chunks.read_only(c) for c in received)
+    assert blob_chunks.read_only(pa.chunked_array(received[:1]))
+    assert not blob_chunks.read_only(pa.array(np.arange(10.0)))         # over numpy's memory
+    assert not blob_chunks.read_only(_values(10, 100, "mine"))
+    assert isinstance(blob_chunks.column_chunk(received[0], owned=False), pa.Buffer)
+    assert isinstance(blob_chunks.column_chunk(received[0], owned=True), pa.Buffer)   # small
     big = _received(_values(1100, 4000, "big"))[0]                               # 4.4 MB
-    assert isinstance(blobs.column_chunk(big, owned=True), blobs.ColumnChunk)
-    assert isinstance(blobs.column_chunk(big, owned=False), pa.Buffer)
+    assert isinstance(blob_chunks.column_chunk(big, owned=True), blob_chunks.ColumnChunk)
+    assert isinstance(blob_chunks.column_chunk(big, owned=False), pa.Buffer)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
@@ -261,24 +264,25 @@ def test_column_chunks_write_the_bytes_serialize_chunk_buffer_makes(tmp_path, mo
                                         _values(120, 2900, "over-slot"),
                                         _values(60, 2900, "big2"))]
     given = [_values(40, 2900, "buffer"), _values(2, 300, "bytes")]
-    chunks = [blobs.ColumnChunk(a) for a in arrays]
+    chunks = [blob_chunks.ColumnChunk(a) for a in arrays]
     keys = [b.append(c) for c in chunks[:2]] + [b.append(serialize_chunk_buffer(given[0]))] + \
         [b.append(c) for c in chunks[2:4]] + [b.append(serialize_chunk_buffer(given[1])
                                                        .to_pybytes())] + [b.append(chunks[4])]
     order = arrays[:2] + given[:1] + arrays[2:4] + given[1:] + arrays[4:]
-    assert sum(isinstance(p.chunk, blobs.ColumnChunk) for p in b._pending) == (4 if direct else 5)
+    assert sum(isinstance(p.chunk, blob_chunks.ColumnChunk) for p in b._pending) == \
+        (4 if direct else 5)
     b.sync()
     with open(b._path(b._segment), "rb") as f:
         for key, values in zip(keys, order):
             _, offset, length = map(int, key.split(":"))
             assert os.pread(f.fileno(), length, offset) == \
                 serialize_chunk_buffer(values).to_pybytes(), key
-            if direct and length >= blobs.IN_PLACE_MIN_BYTES:
+            if direct and length >= blob_chunks.IN_PLACE_MIN_BYTES:
                 assert offset % ALIGN == 0
     _check(b, keys, order)
     _check(BlobStore(str(tmp_path / "blobs")), keys, order)
     more = _received(_values(60, 2900, "next"))          # the slots are reused
-    key = b.append(blobs.ColumnChunk(more[0]))
+    key = b.append(blob_chunks.ColumnChunk(more[0]))
     b.sync()
     _check(b, [key], more)
     _check(BlobStore(str(tmp_path / "blobs")), keys + [key], order + more)
@@ -287,12 +291,12 @@ def test_column_chunks_write_the_bytes_serialize_chunk_buffer_makes(tmp_path, mo
 def test_a_failed_column_chunk_write_is_cut_off(tmp_path, monkeypatch):
     b = _open(str(tmp_path / "blobs"), True, monkeypatch)
     first = _received(_values(100, 7000, "ok"))
-    key = b.append(blobs.ColumnChunk(first[0]))
+    key = b.append(blob_chunks.ColumnChunk(first[0]))
     b.sync()
     path = b._path(b._segment)
     size = os.path.getsize(path)
     writes = []
-    real = blobs._pwrite_all
+    real = blob_files.pwrite_all
 
     def second_fails(fd, view, offset):
         writes.append(offset)
@@ -300,15 +304,15 @@ def test_a_failed_column_chunk_write_is_cut_off(tmp_path, monkeypatch):
             raise OSError(errno.EIO, "Input/output error")
         return real(fd, view, offset)
 
-    monkeypatch.setattr(blobs, "_pwrite_all", second_fails)
+    monkeypatch.setattr(blobs, "pwrite_all", second_fails)
     for values in _received(*[_values(100, 7000, f"lost{j}") for j in range(4)]):
-        b.append(blobs.ColumnChunk(values))
+        b.append(blob_chunks.ColumnChunk(values))
     with pytest.raises(StorageError, match="cannot write blob segment"):
         b.sync()
     assert os.path.getsize(path) == size and not b._pending
     monkeypatch.undo()
     again = _received(_values(100, 7000, "again"))
-    key2 = b.append(blobs.ColumnChunk(again[0]))
+    key2 = b.append(blob_chunks.ColumnChunk(again[0]))
     b.sync()
     _check(b, [key, key2], first + again)
     _check(BlobStore(str(tmp_path / "blobs")), [key, key2], first + again)
@@ -320,7 +324,7 @@ def test_received_values_are_kept_as_they_came_only_where_they_are_most_of_the_b
     b = BlobStore(str(tmp_path / "blobs"))
     wide = _received(_values(50, 3000, "a"), _values(50, 3000, "b"), pa.array(range(50)))
     narrow = _received(_values(50, 3000, "c"), pa.array(["x" * 20000] * 50))
-    keys = [b.append(blobs.ColumnChunk(c)) for c in (wide[0], wide[1], narrow[0])]
+    keys = [b.append(blob_chunks.ColumnChunk(c)) for c in (wide[0], wide[1], narrow[0])]
     b.sync()
 
     def held(key):
@@ -397,14 +401,14 @@ def test_o_direct_refused_at_open_is_detected_once(tmp_path, monkeypatch):
     real_open = os.open
 
     def no_direct(path, flags, *args, **kw):
-        if flags & blobs._O_DIRECT:
+        if flags & blob_files.O_DIRECT:
             tried.append(path)
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args, **kw)
 
-    if blobs._O_DIRECT is None:
+    if blob_files.O_DIRECT is None:
         pytest.skip("no O_DIRECT on this platform")
-    monkeypatch.setattr(blobs.os, "open", no_direct)
+    monkeypatch.setattr(blob_files.os, "open", no_direct)
     b = BlobStore(str(tmp_path / "blobs"), direct_io=True)
     assert not b._direct and len(tried) == 1
     arrays = [_values(100, 7000, "r")]
@@ -540,7 +544,7 @@ def _run_and_kill(path: str, run: int, kill_after: int, direct: bool) -> set[str
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
 def test_kill9_during_big_blob_writes_loses_nothing_acknowledged(tmp_path, monkeypatch, direct):
-    if direct and not blobs._probe_direct(str(tmp_path)):
+    if direct and not blob_files.probe_direct(str(tmp_path)):
         pytest.skip("the filesystem of tmp_path refuses O_DIRECT")
     path = str(tmp_path / "crash.duckdb")
     rng = random.Random(7)

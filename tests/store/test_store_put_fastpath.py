@@ -391,7 +391,7 @@ def _run(data, fast, version=3, threshold=64):
 
 def _chunk_bytes(chunks):
     """A put's chunks as bytes (a ColumnChunk serialised as its write would)."""
-    from store.blobs import ColumnChunk
+    from store.blob_chunks import ColumnChunk
     return {name: (c.serialized() if isinstance(c, ColumnChunk) else pa.py_buffer(c)).to_pybytes()
             for name, c in chunks.items()}
 
@@ -557,7 +557,7 @@ def test_prepare_fast_path_is_taken(monkeypatch):
 
 @pytest.mark.parametrize("sliced", [False, True])
 def test_split_of_all_big_values_matches_the_take_path(sliced):
-    from store.blobs import serialize_chunk_buffer
+    from store.blob_chunks import serialize_chunk_buffer
     values = pa.array([["x" * 50] * 3, ["y" * 70], ["z"] * 40, ["w"] * 90], pa.large_list(
         pa.large_string()))
     if sliced:
