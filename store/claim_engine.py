@@ -2,8 +2,9 @@
 
 A claim runs on the caller's thread: a predicate, if any, is evaluated in DuckDB over the first
 ready rows only (:meth:`ClaimEngine._accepted`, holding a query slot); under the index's lock
-the live tables pick the rows (``LiveTable.select``) and the index leases them (their lease
-bookkeeping waits for the writer: leases are soft state); then the rows' values are
+the live tables lease the rows a claim takes (``LiveTable.take``; a claim short of its
+``min_rows`` gives them back) and the index registers the lease (its rows' lease bookkeeping
+waits for the writer: leases are soft state); then the rows' values are
 cut from the claim cache, or read from DuckDB for rows it does not hold (read ahead for the next
 claims), and by-reference values are read from the blob store.
 """
@@ -73,20 +74,28 @@ class ClaimEngine:
         accepted: list[set[int] | None] = []
         for req, live in zip(requests, lives):
             accepted.append(None if req.where is None else self._accepted(req, live))
+        seconds = lease_seconds or max(live.tdef.lease_seconds for live in lives)
         with self._index.lock:
-            picks: list[list[Row]] = []
-            for req, live, ok in zip(requests, lives, accepted):
+            for req, live in zip(requests, lives):
                 if self._index.live.get(req.table) is not live:
                     raise self._index.no_table(req.table)
-                rows = live.select(req.limit, req.group_size,
-                                   None if ok is None else _member_of(ok))
-                if len(rows) < req.min_rows:
-                    return Claim("", owner, 0.0, {
-                        live.tdef.name: live.tdef.claim_schema().empty_table()
-                        for live in lives})
-                picks.append(rows)
-            seconds = lease_seconds or max(live.tdef.lease_seconds for live in lives)
-            lease = self._index.lease(owner, seconds, list(zip(lives, picks)))
+            lease = self._index.new_lease(owner, seconds)
+            picks: list[list[Row]] = []
+            try:
+                for req, live, ok in zip(requests, lives, accepted):
+                    rows = live.take(req.limit, req.group_size,
+                                     None if ok is None else _member_of(ok), req.min_rows, lease)
+                    if len(rows) < req.min_rows:  # (take leased none of them)
+                        break
+                    picks.append(rows)
+            finally:
+                if len(picks) < len(requests):  # short, or failed: what was leased goes back
+                    for live, rows in zip(lives, picks):
+                        live.give_back(rows)
+            if len(picks) < len(requests):
+                return Claim("", owner, 0.0, {
+                    live.tdef.name: live.tdef.claim_schema().empty_table() for live in lives})
+            self._index.register(lease, list(zip(lives, picks)))
         self._poke()
         try:
             tables = {live.tdef.name: self._fetch(live, rows) for live, rows in zip(lives, picks)}

@@ -171,14 +171,18 @@ class StoreIndex:
                 live.prune_terminal(new - live.tdef.max_staleness)
 
     # -- leases ------------------------------------------------------------------------------
-    def lease(self, owner: str, seconds: float, picks: list[tuple[LiveTable, list[Row]]]) -> Lease:
-        """Lease the picked rows under a new claim id (lock held); their bookkeeping waits here
-        for the writer."""
-        lease = Lease(uuid.uuid4().hex, owner, time.time() + seconds, [])
+    @staticmethod
+    def new_lease(owner: str, seconds: float) -> Lease:
+        """A lease under a new claim id, holding nothing yet: the live tables lease rows to it
+        (``LiveTable.take``), then :meth:`register` makes it a claim."""
+        return Lease(uuid.uuid4().hex, owner, time.time() + seconds, [])
+
+    def register(self, lease: Lease, picks: list[tuple[LiveTable, list[Row]]]) -> None:
+        """Make a lease whose rows the live tables leased to it a claim (lock held); their
+        bookkeeping waits here for the writer."""
         claim_id = lease.claim_id
         redeliveries = 0
         for live, rows in picks:
-            live.lease_rows(rows, lease)
             lease.rows.extend([(live, row) for row in rows])
             pending = self._row_updates.setdefault(live.tdef.name, {})
             for row in rows:
@@ -191,7 +195,6 @@ class StoreIndex:
         self.counters["claims"] += 1
         self.counters["rows_claimed"] += len(lease.rows)
         self.counters["redeliveries"] += redeliveries
-        return lease
 
     def release_unread(self, lease: Lease) -> bool:
         """Give back rows whose data could not be read, without counting a delivery; whether

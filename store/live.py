@@ -320,31 +320,12 @@ class LiveTable:
         self.ready_count -= 1
         row.state = PENDING
 
-    def lease_row(self, row: Row, lease: Lease) -> None:
-        self.unready(row)
-        row.state = LEASED
-        row.lease = lease
-        row.deliveries += 1
-        self.leased_count += 1
-
-    def lease_rows(self, rows: list[Row], lease: Lease) -> None:
-        """:meth:`lease_row` for each of ``rows``, in one pass (the claim path: a claim leases
-        tens of rows, and a call and a group lookup per row were much of its bookkeeping)."""
-        groups = self._groups
+    def give_back(self, rows: list[Row]) -> None:
+        """Undo :meth:`take`: the rows ready again, their delivery not counted (a claim that
+        could not be served whole)."""
         for row in rows:
-            if row.state == READY:  # unready(row), inlined
-                group = groups.get((row.version, row.input_id))
-                if group is not None:
-                    ready = group.ready
-                    if ready is not None:
-                        ready.pop((row.sample_id, row.version), None)
-                    if not ready and not group.in_heap and group.lazy is None:
-                        del groups[group.key]
-                self.ready_count -= 1
-            row.state = LEASED
-            row.lease = lease
-            row.deliveries += 1
-        self.leased_count += len(rows)
+            row.deliveries -= 1
+            self.make_ready(row)   # (leased, so it counts them out of leased_count)
 
     def release(self, row: Row) -> None:
         """End a row's lease without consuming it: ready again if complete, else pending."""
@@ -407,8 +388,9 @@ class LiveTable:
             self.terminal_count -= len(terminal.pop(version))
 
     # -- reading the ready index ----------------------------------------------------------------
-    def _iter_groups(self) -> Iterator[_Group]:
-        """Ready groups in order; the caller must call :meth:`_restore` with what it consumed."""
+    def _iter_groups(self, build: bool = True) -> Iterator[_Group]:
+        """Ready groups in order; the caller must call :meth:`_restore` with what it consumed.
+        Groups still in blocks are built first, unless ``build`` is false."""
         while self._heap:
             gk = heapq.heappop(self._heap)
             group = self._groups.get(gk)
@@ -416,6 +398,9 @@ class LiveTable:
                 continue
             group.in_heap = False
             if group.lazy is not None:
+                if not build:
+                    yield group
+                    continue
                 self._materialise(group)
             if not group.ready:
                 del self._groups[gk]
@@ -429,6 +414,94 @@ class LiveTable:
                 group.in_heap = True
             elif not group.ready and not group.in_heap:
                 self._groups.pop(group.key, None)
+
+    def take(self, limit: int, group_size: int | None, accept: Callable[[Row], bool] | None,
+             min_rows: int, lease: Lease) -> list[Row]:
+        """Lease to ``lease`` the rows :meth:`select` would choose, if there are at least
+        ``min_rows`` of them; else take nothing and return those it found.
+
+        Why not select, then lease: a group still in its block (see :class:`RowBlock`) had
+        every row built as a ready row, copied out of the ready index and popped from it again;
+        here such a group's rows are built leased, and only those the claim leaves are filed as
+        ready. Rows of other groups are chosen as :meth:`select` does and leased here.
+        """
+        chosen: list[Row] = []
+        seen: list[_Group] = []
+        try:
+            for group in self._iter_groups(build=accept is not None):
+                seen.append(group)
+                room = limit - len(chosen)
+                if group.lazy is not None:
+                    if group.lazy_more is None and not group.ready:
+                        self._take_block_group(group, room, group_size, lease, chosen)
+                        if len(chosen) + (group_size or 1) > limit:
+                            break
+                        continue
+                    self._materialise(group)
+                ready = group.ready
+                assert ready  # _iter_groups yields groups with ready rows
+                rows = list(ready.values()) if group.in_order \
+                    else sorted(ready.values(), key=_ORDER)
+                if accept is not None:
+                    rows = [r for r in rows if accept(r)]
+                if group_size:
+                    rows = rows[:min(len(rows), room) // group_size * group_size]
+                else:
+                    rows = rows[:room]
+                for row in rows:
+                    del ready[(row.sample_id, row.version)]
+                    row.state = LEASED
+                    row.lease = lease
+                    row.deliveries += 1
+                self.ready_count -= len(rows)
+                self.leased_count += len(rows)
+                chosen.extend(rows)
+                if len(chosen) + (group_size or 1) > limit:
+                    break
+        finally:
+            self._restore(seen)
+        if len(chosen) < min_rows:
+            self.give_back(chosen)
+        return chosen
+
+    def _take_block_group(self, group: _Group, room: int, group_size: int | None,
+                          lease: Lease, chosen: list[Row]) -> None:
+        """Build the rows of a group held by one block (and no ready rows): the first ``room``
+        (whole groups of ``group_size``) leased to ``lease`` onto ``chosen``, the rest ready."""
+        block, g = group.lazy, group.lazy_index
+        assert block is not None
+        group.lazy = None
+        at = block.order[block.starts[g]:block.starts[g + 1]]
+        n = len(at)
+        taking = min(n, room) // group_size * group_size if group_size else min(n, room)
+        keys, payload, rows = block.keys, block.payload, self.rows
+        input_id = block.group_keys[g][1]
+        left: dict[Key, Row] | None = None
+        for i, rid, turn, traj, mask in zip(
+                at.tolist(), block.row_ids[at].tolist(), block.turns[at].tolist(),
+                block.trajs[at].tolist(), block.masks[at].tolist()):
+            key = keys[i]
+            row = Row(rid, key[0], key[1], input_id, turn, traj, mask)
+            row.payload = None if payload is None else (payload, i)
+            rows[key] = row
+            if taking:
+                taking -= 1
+                row.state = LEASED
+                row.lease = lease
+                row.deliveries = 1
+                chosen.append(row)
+            else:
+                row.state = READY
+                if left is None:
+                    left = group.ready_map()
+                    group.in_order = True
+                left[key] = row
+        taken = n - (len(left) if left is not None else 0)
+        self.ready_count -= taken
+        self.leased_count += taken
+        block.left -= n
+        if block.left <= 0:
+            self._blocks.discard(block)
 
     def select(self, limit: int, group_size: int | None = None,
                accept: Callable[[Row], bool] | None = None) -> list[Row]:

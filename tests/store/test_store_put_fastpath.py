@@ -639,3 +639,64 @@ def test_a_predicate_claim_leaves_the_backlog_it_did_not_need_unbuilt(open_store
     assert _blocked(s) > 19000
     assert s.claim("t", 16, where="reward > 2").num_rows == 0   # no match: all rows read
     assert _blocked(s) == 0
+
+
+def _counts_match_the_index(s, table="t"):
+    """The live table's counters agree with the rows it holds (what stats and gauges report)."""
+    live = s._index.live[table]
+    rows = [r for r in live.rows.values() if type(r) is store.live.Row]
+    blocked = len(live.rows) - len(rows)
+    assert live.leased_count == sum(r.state == store.live.LEASED for r in rows)
+    assert live.ready_count == blocked + sum(r.state == store.live.READY for r in rows)
+    assert all((r.lease is not None) == (r.state == store.live.LEASED) for r in rows)
+
+
+def test_a_claim_of_part_of_a_block_leaves_the_rest_ready_in_order(open_store):
+    """A claim builds a block's group leased and files only what it leaves as ready; a claim
+    that falls short of its min_rows (here: of a second table) gives back what it took, its
+    delivery not counted, and the rows come back in claim order."""
+    from store.claims import ClaimRequest
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.create_table("u", COLUMNS)
+    s.put("t", [_full(f"q{i}_0_{t}") for i in range(2) for t in range(8)])
+    assert _blocked(s) == 16
+    first = s.claim("t", 3)
+    assert first.data.column("sample_id").to_pylist() == ["q0_0_0", "q0_0_1", "q0_0_2"]
+    assert _state(s)["ready"] == 13 and _state(s)["processing"] == 3
+    _counts_match_the_index(s)
+    short = s.claim_many([ClaimRequest("t", 10), ClaimRequest("u", 1, min_rows=1)])
+    assert not short and _state(s)["ready"] == 13 and _state(s)["processing"] == 3
+    _counts_match_the_index(s)
+    assert not s.claim("t", 16, group_by="input_id", group_size=8, min_rows=16)
+    _counts_match_the_index(s)
+    rest = s.claim("t", 16)
+    assert rest.data.column("sample_id").to_pylist() == (
+        [f"q0_0_{t}" for t in range(3, 8)] + [f"q1_0_{t}" for t in range(8)])
+    assert rest.data.column("delivery_count").to_pylist() == [1] * 13
+    _counts_match_the_index(s)
+    s.ack(first.claim_id)
+    s.nack(rest.claim_id)
+    assert _state(s) == {"pending": 0, "ready": 13, "processing": 0, "consumed": 3, "stale": 0,
+                         "dead": 0}
+    _counts_match_the_index(s)
+    again = s.claim("t", 16, group_by="input_id", group_size=8)
+    assert again.data.column("sample_id").to_pylist() == [f"q1_0_{t}" for t in range(8)]
+    assert again.data.column("delivery_count").to_pylist() == [2] * 8
+    _counts_match_the_index(s)
+
+
+def test_a_group_claim_takes_whole_groups_of_a_block_and_leaves_the_rest(open_store):
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    s.put("t", [_full(f"q0_0_{t}") for t in range(8)] + [_full(f"q1_0_{t}") for t in range(4)]
+          + [_full(f"q2_0_{t}") for t in range(8)])
+    claim = s.claim("t", 16, group_by="input_id", group_size=8)
+    assert claim.data.column("sample_id").to_pylist() == (
+        [f"q0_0_{t}" for t in range(8)] + [f"q2_0_{t}" for t in range(8)])
+    assert _state(s)["ready"] == 4 and _state(s)["processing"] == 16
+    _counts_match_the_index(s)
+    assert s.ack(claim.claim_id)["acked"] == 16
+    _counts_match_the_index(s)
+    assert s.claim("t", 8).data.column("sample_id").to_pylist() == [f"q1_0_{t}" for t in range(4)]
+    _counts_match_the_index(s)
