@@ -41,6 +41,9 @@ log = logging.getLogger("expstore.store")
 
 #: A settled lease's rows by table, each with its outcome: consumed, ready, dead or stale.
 SettlePlan = dict[str, list[tuple[Row, str]]]
+#: An acked lease's rows by table (all consumed): the live table, the rows, their row ids and
+#: their delivery counts.
+AckPlan = dict[str, tuple[LiveTable, list[Row], list[int], list[int]]]
 
 
 class StoreIndex:
@@ -237,13 +240,12 @@ class StoreIndex:
             with self.lock:
                 self._dead_lettering.discard(claim_id)
 
-    def settle_plan(self, lease: Lease, ack: bool) -> SettlePlan:
-        """What becomes of each row of a lease that ends now (lock held)."""
+    def settle_plan(self, lease: Lease) -> SettlePlan:
+        """What becomes of each row of a lease that ends now unacked (lock held): an ack
+        consumes every row (:meth:`ack_plan`)."""
         plan: SettlePlan = {}
         for live, row in lease.rows:
-            if ack:
-                outcome = "consumed"
-            elif lease.claim_id in self._dead_lettering:
+            if lease.claim_id in self._dead_lettering:
                 outcome = "dead"
             elif row.version < self.versions.get(live.tdef.version_group, 0) \
                     - live.tdef.max_staleness:
@@ -255,8 +257,53 @@ class StoreIndex:
             plan.setdefault(live.tdef.name, []).append((row, outcome))
         return plan
 
+    def ack_plan(self, lease: Lease) -> AckPlan:
+        """What an ack of ``lease`` consumes (lock held): :meth:`settle_plan` and
+        :meth:`supersede_row_updates` of an ack in one pass over its rows, which also gathers
+        the row ids and delivery counts its put log record holds (every acked row is consumed,
+        so there is no outcome to work out per row)."""
+        plan: AckPlan = {}
+        claim_id = lease.claim_id
+        current: LiveTable | None = None
+        for live, row in lease.rows:
+            if live is not current:  # a lease's rows come table by table (see register)
+                current = live
+                name = live.tdef.name
+                entry = plan.get(name)
+                if entry is None:
+                    entry = plan[name] = (live, [], [], [])
+                _, rows, row_ids, deliveries = entry
+                pending = self._row_updates.get(name)
+            rows.append(row)
+            row_id = row.row_id
+            row_ids.append(row_id)
+            deliveries.append(row.deliveries)
+            if pending:
+                update = pending.get(row_id)
+                if update is not None and (update.lease_id if isinstance(update, LeaseUpdate)
+                                           else update[0].claim_id) == claim_id:
+                    del pending[row_id]
+        return plan
+
+    def acked(self, lease: Lease, plan: AckPlan) -> None:
+        """:meth:`settled` of an ack (lock held): every row consumed, forgotten table by
+        table."""
+        self.claims.pop(lease.claim_id, None)
+        self.settling.pop(lease.claim_id, None)
+        for tname, (_, rows, _, _) in plan.items():
+            live = self.live.get(tname)
+            if live is None:
+                continue
+            self._terminal_possible.add(tname)
+            live.forget_rows(rows)
+        self.counters["acks"] += 1
+        self.counters["rows_acked"] += len(lease.rows)
+        _remember(self._recent_acked, lease.claim_id, len(lease.rows),
+                  self.settings.recent_claims)
+
     def settled(self, lease: Lease, plan: SettlePlan, how: str) -> None:
-        """Apply a settled lease to memory (lock held); ``how`` is "ack", "nack" or "expired"."""
+        """Apply a lease settled unacked to memory (lock held); ``how`` is "nack" or
+        "expired" (an ack: :meth:`acked`)."""
         self.claims.pop(lease.claim_id, None)
         self.settling.pop(lease.claim_id, None)
         for tname, rows in plan.items():
@@ -272,11 +319,7 @@ class StoreIndex:
                     if outcome in ("dead", "stale"):
                         self.counters["dead_letters" if outcome == "dead" else "stale_rows"] += 1
         recent = self.settings.recent_claims
-        if how == "ack":
-            self.counters["acks"] += 1
-            self.counters["rows_acked"] += len(lease.rows)
-            _remember(self._recent_acked, lease.claim_id, len(lease.rows), recent)
-        elif how == "nack":
+        if how == "nack":
             self.counters["nacks"] += 1
             _remember(self._recent_expired, lease.claim_id, _ended("it was nacked", plan), recent)
         else:
@@ -286,7 +329,7 @@ class StoreIndex:
 
     def expire(self, lease: Lease) -> None:
         """End an expired lease (lock held): rows ready again, or dead/stale."""
-        plan = self.settle_plan(lease, ack=False)
+        plan = self.settle_plan(lease)
         for tname, rows in plan.items():
             pending = self._row_updates.setdefault(tname, {})
             for row, outcome in rows:

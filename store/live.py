@@ -350,6 +350,22 @@ class LiveTable:
         row.lease = None
         self.rows.pop(row.key, None)
 
+    def forget_rows(self, rows: list[Row]) -> None:
+        """:meth:`forget` for each of ``rows``, in one pass (an ack's rows)."""
+        remember = self.remember_terminal
+        pop = self.rows.pop
+        for row in rows:
+            remember(row.version, row.sample_id, row.row_id)
+            row.payload = None
+            state = row.state
+            if state == LEASED:
+                self.leased_count -= 1
+            elif state == READY:
+                self.unready(row)
+            row.state = PENDING
+            row.lease = None
+            pop((row.sample_id, row.version), None)
+
     def evict(self, keys: list[Key], table: Any) -> None:
         """Drop the cached values that ``keys``' ready rows hold in ``table`` (claims read
         them from DuckDB then). Leased rows keep theirs: their claim is about to read them."""

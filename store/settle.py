@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from .errors import NotFound, VersionConflict
 from .index import StoreIndex
-from .live import LiveTable, Row
+from .live import Lease, LiveTable, Row
 from .naming import quote
 from .ops import BumpOp, SettleOp, Txn
 from .putlog import (LEASE_COLUMNS, LeaseUpdate, Record, ack_record, apply_records, lease_table,
@@ -26,18 +26,13 @@ def settle(con: duckdb.DuckDBPyConnection, index: StoreIndex, txn: Txn,
            op: SettleOp) -> dict[str, Any]:
     """Ack (consume) or nack (return) the rows of a lease; memory follows after the commit."""
     lease = op.lease
+    if op.ack:
+        return _ack(con, index, txn, lease)
     with index.lock:
-        plan = index.settle_plan(lease, ack=op.ack)
+        plan = index.settle_plan(lease)
         index.supersede_row_updates(lease, plan)
     for tname, rows in plan.items():
         if tname not in index.live:
-            continue
-        if op.ack:
-            # The claim's lease columns may not be flushed yet (and never will be once the
-            # row is consumed), so the ack writes the delivery count and owner itself.
-            record(con, index, txn, ack_record(
-                tname, [r.row_id for r, _ in rows], [r.deliveries for r, _ in rows],
-                index.version_of(index.live[tname]), lease.claim_id, lease.owner))
             continue
         nacked: ListColumns = {"row_id": ("BIGINT", [r.row_id for r, _ in rows]),
                                "delivery_count": ("INTEGER", [r.deliveries for r, _ in rows]),
@@ -49,9 +44,24 @@ def settle(con: duckdb.DuckDBPyConnection, index: StoreIndex, txn: Txn,
                 "lease_expires_at = NULL, delivery_count = b.delivery_count, "
                 "dead = b.dead, stale = t.stale OR b.stale, updated_at = now() "
                 f"FROM {source} AS b WHERE t.row_id = b.row_id", params)
-    txn.applies.append(functools.partial(index.settled, lease, plan,
-                                         "ack" if op.ack else "nack"))
-    return {"claim_id": lease.claim_id, "acked" if op.ack else "nacked": len(lease.rows)}
+    txn.applies.append(functools.partial(index.settled, lease, plan, "nack"))
+    return {"claim_id": lease.claim_id, "nacked": len(lease.rows)}
+
+
+def _ack(con: duckdb.DuckDBPyConnection, index: StoreIndex, txn: Txn,
+         lease: Lease) -> dict[str, Any]:
+    """Consume the rows of a lease: :func:`settle` of an ack, every row's outcome known."""
+    with index.lock:
+        plan = index.ack_plan(lease)
+    for tname, (live, _, row_ids, deliveries) in plan.items():
+        if tname not in index.live:
+            continue
+        # The claim's lease columns may not be flushed yet (and never will be once the
+        # row is consumed), so the ack writes the delivery count and owner itself.
+        record(con, index, txn, ack_record(tname, row_ids, deliveries, index.version_of(live),
+                                           lease.claim_id, lease.owner))
+    txn.applies.append(functools.partial(index.acked, lease, plan))
+    return {"claim_id": lease.claim_id, "acked": len(lease.rows)}
 
 
 def record(con: duckdb.DuckDBPyConnection, index: StoreIndex, txn: Txn, record: Record) -> None:
