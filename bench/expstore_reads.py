@@ -162,6 +162,18 @@ def carried_acks(s: Any, table: str, n: int, size: int, group: bool,
     return took
 
 
+def micro_batch_table(s: Any, table: str, kind: str, rows: int) -> None:
+    """Create ``table`` with ``rows`` ready rows, ``kind`` "narrow" or "wide" (the micro-batch
+    benchmarks' tables; scripts/ab_microbatch.py makes the same)."""
+    if kind == "narrow":
+        s.create_table(table, dict(NARROW_COLUMNS))
+        fill(s, table, rows)
+    else:
+        s.create_table(table, dict(WIDE_COLUMNS))
+        for i in range(0, rows, 1024):
+            s.put(table, wide_table(min(1024, rows - i), start=i))
+
+
 def _micro_batches(ctx: Ctx, s: Any) -> None:
     """A micro-batch of 16 fetched and settled (the ack waited durable) p50, narrow and wide,
     plain and grouped: each claim carrying the ack of the micro-batch before it, and as two
@@ -171,14 +183,7 @@ def _micro_batches(ctx: Ctx, s: Any) -> None:
     for kind in ("narrow", "wide"):
         for group in (False, True):
             table = expstore_server.table_name(f"mb_{kind}")
-            rows = 16 * (3 * n + 45)
-            if kind == "narrow":
-                s.create_table(table, dict(NARROW_COLUMNS))
-                fill(s, table, rows)
-            else:
-                s.create_table(table, dict(WIDE_COLUMNS))
-                for i in range(0, rows, 1024):
-                    s.put(table, wide_table(min(1024, rows - i), start=i))
+            micro_batch_table(s, table, kind, 16 * (3 * n + 45))
             pairs = claim_latencies(s, table, n, 16, group, budget)[1]
             carried = carried_acks(s, table, n, 16, group, budget)
             tag = f"mb16_{kind}" + ("_group" if group else "")

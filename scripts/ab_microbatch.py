@@ -53,10 +53,8 @@ def main() -> int:
     args = ap.parse_args()
 
     import store
-    from bench.expstore_claims import fill
-    from bench.expstore_reads import carried_acks
+    from bench.expstore_reads import carried_acks, micro_batch_table
     from bench.util import free_port, wait_port
-    from bench.workloads import NARROW_COLUMNS, WIDE_COLUMNS, wide_table
 
     work = Path(tempfile.mkdtemp(prefix="ab-microbatch-"))
     servers: dict[str, subprocess.Popen] = {}
@@ -78,14 +76,7 @@ def main() -> int:
             for kind in KINDS:
                 table = f"{kind}_{r}"
                 for side in order:
-                    s = stores[side]
-                    if kind.startswith("narrow"):
-                        s.create_table(table, dict(NARROW_COLUMNS))
-                        fill(s, table, rows)
-                    else:
-                        s.create_table(table, dict(WIDE_COLUMNS))
-                        for i in range(0, rows, 1024):
-                            s.put(table, wide_table(min(1024, rows - i), start=i))
+                    micro_batch_table(stores[side], table, kind.split("_")[0], rows)
                 for side in order:
                     took = carried_acks(stores[side], table, args.per_round, 16,
                                         kind.endswith("groups"), 1e9)
