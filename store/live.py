@@ -338,20 +338,12 @@ class LiveTable:
 
     def forget(self, row: Row) -> None:
         """Drop a row that reached a terminal state (consumed, stale, dead)."""
-        # Remembered as terminal before it leaves ``rows``: the writer, which looks keys up
-        # without the lock, finds a key in one or the other.
-        self.remember_terminal(row.version, row.sample_id, row.row_id)
-        row.payload = None
-        if row.state == READY:
-            self.unready(row)
-        elif row.state == LEASED:
-            self.leased_count -= 1
-        row.state = PENDING
-        row.lease = None
-        self.rows.pop(row.key, None)
+        self.forget_rows([row])
 
     def forget_rows(self, rows: list[Row]) -> None:
-        """:meth:`forget` for each of ``rows``, in one pass (an ack's rows)."""
+        """Drop rows that reached a terminal state, in one pass (an ack's rows)."""
+        # Remembered as terminal before it leaves ``rows``: the writer, which looks keys up
+        # without the lock, finds a key in one or the other.
         remember = self.remember_terminal
         pop = self.rows.pop
         for row in rows:
@@ -433,13 +425,14 @@ class LiveTable:
 
     def take(self, limit: int, group_size: int | None, accept: Callable[[Row], bool] | None,
              min_rows: int, lease: Lease) -> list[Row]:
-        """Lease to ``lease`` the rows :meth:`select` would choose, if there are at least
+        """Lease to ``lease`` up to ``limit`` ready rows in claim order (whole groups of
+        ``group_size`` if given; only rows ``accept`` takes, if given), if there are at least
         ``min_rows`` of them; else take nothing and return those it found.
 
-        Why not select, then lease: a group still in its block (see :class:`RowBlock`) had
+        Why not choose, then lease: a group still in its block (see :class:`RowBlock`) had
         every row built as a ready row, copied out of the ready index and popped from it again;
         here such a group's rows are built leased, and only those the claim leaves are filed as
-        ready. Rows of other groups are chosen as :meth:`select` does and leased here.
+        ready.
         """
         chosen: list[Row] = []
         seen: list[_Group] = []
@@ -519,12 +512,9 @@ class LiveTable:
         if block.left <= 0:
             self._blocks.discard(block)
 
-    def select(self, limit: int, group_size: int | None = None,
-               accept: Callable[[Row], bool] | None = None) -> list[Row]:
-        """Up to ``limit`` ready rows in order (whole groups of ``group_size`` if given).
-
-        Nothing is taken: the caller leases what it keeps.
-        """
+    def ready_rows(self, limit: int) -> list[Row]:
+        """The first ``limit`` ready rows in claim order, taking nothing (candidates for a
+        predicate, rows to read ahead): :meth:`take` chooses the same way and leases."""
         chosen: list[Row] = []
         seen: list[_Group] = []
         try:
@@ -533,25 +523,12 @@ class LiveTable:
                 assert group.ready is not None  # _iter_groups yields groups with ready rows
                 rows = list(group.ready.values()) if group.in_order \
                     else sorted(group.ready.values(), key=_ORDER)
-                if accept is not None:
-                    rows = [r for r in rows if accept(r)]
-                if group_size:
-                    while len(rows) >= group_size and len(chosen) + group_size <= limit:
-                        chosen.extend(rows[:group_size])
-                        rows = rows[group_size:]
-                    if len(chosen) + group_size > limit:
-                        break
-                else:
-                    chosen.extend(rows[: limit - len(chosen)])
-                    if len(chosen) >= limit:
-                        break
+                chosen.extend(rows[: limit - len(chosen)])
+                if len(chosen) >= limit:
+                    break
         finally:
             self._restore(seen)
         return chosen
-
-    def ready_rows(self, limit: int) -> list[Row]:
-        """The first ``limit`` ready rows in order (candidates for a predicate)."""
-        return self.select(limit)
 
     def build_blocks_below(self, bound: int) -> None:
         """Build the rows of every block holding a version below ``bound`` (before
