@@ -279,10 +279,7 @@ class StoreIndex:
             row_ids.append(row_id)
             deliveries.append(row.deliveries)
             if pending:
-                update = pending.get(row_id)
-                if update is not None and (update.lease_id if isinstance(update, LeaseUpdate)
-                                           else update[0].claim_id) == claim_id:
-                    del pending[row_id]
+                _drop_own(pending, row_id, claim_id)
         return plan
 
     def acked(self, lease: Lease, plan: AckPlan) -> None:
@@ -388,10 +385,7 @@ class StoreIndex:
             pending = self._row_updates.get(tname)
             if pending:
                 for row, _ in rows:
-                    entry = pending.get(row.row_id)
-                    if entry is not None and (entry.lease_id if isinstance(entry, LeaseUpdate)
-                                              else entry[0].claim_id) == lease.claim_id:
-                        del pending[row.row_id]
+                    _drop_own(pending, row.row_id, lease.claim_id)
 
     def unwritten_row_updates(self, table: str) -> list[LeaseUpdate]:
         """The bookkeeping of ``table`` not written yet (lock held): expired leases' stale and
@@ -431,6 +425,16 @@ def _ended(how: str, plan: SettlePlan) -> str:
         fates.append(f"{outcomes['stale']} stale: older than the staleness bound, never "
                      "delivered again")
     return f"{how}; of its rows, {', '.join(fates)}" if fates else how
+
+
+def _drop_own(pending: dict[int, LeaseUpdate | tuple[Lease, int]], row_id: int,
+              claim_id: str) -> None:
+    """Drop ``row_id``'s pending bookkeeping if it is claim ``claim_id``'s (a settle written
+    now supersedes it)."""
+    entry = pending.get(row_id)
+    if entry is not None and (entry.lease_id if isinstance(entry, LeaseUpdate)
+                              else entry[0].claim_id) == claim_id:
+        del pending[row_id]
 
 
 def _updates(pending: dict[int, LeaseUpdate | tuple[Lease, int]]) -> list[LeaseUpdate]:
