@@ -16,7 +16,8 @@ import pyarrow.compute as pc
 
 
 def chunk_key(prefix: str) -> tuple[int, int, int]:
-    """The chunk (segment, offset, length) of a key prefix :meth:`BlobStore.append` returned."""
+    """The chunk (segment, offset, length) of a key prefix :meth:`BlobStore.append` returned;
+    ValueError if ``prefix`` is not three integers joined by ``:``."""
     segment, offset, length = map(int, prefix.split(":"))
     return segment, offset, length
 
@@ -28,13 +29,13 @@ def whole_chunk(keys: pa.ChunkedArray) -> tuple[int, int, int] | None:
         return None
     prefix, _, row = str(keys[0].as_py()).rpartition(":")
     try:
-        ck = tuple(int(p) for p in prefix.split(":"))
+        ck = chunk_key(prefix)
     except ValueError:
         return None
-    if row != "0" or len(ck) != 3 or min(ck) < 0:
+    if row != "0" or min(ck) < 0:
         return None
     # built from the numbers read: a key spelled any other way differs from it
-    return ck if names_rows(keys, ":".join(map(str, ck)), 0) else None  # type: ignore[return-value]
+    return ck if names_rows(keys, ":".join(map(str, ck)), 0) else None
 
 
 def names_rows(keys: pa.Array | pa.ChunkedArray, prefix: str, first: int) -> bool:

@@ -51,7 +51,7 @@ from .blob_chunks import (ALIGN, HEADER_BYTES, IN_PLACE_MIN_BYTES, Chunk, Column
                           align_up, chunk_body, in_memory, in_place)
 from .blob_files import (DIRECT_IO, O_DIRECT, OpenSegment, Staged, probe_direct, pwrite_all,
                          pwrite_pieces, write_staged)
-from .blob_keys import names_rows, whole_chunk
+from .blob_keys import chunk_key, names_rows, whole_chunk
 from .row_cut import RowCut, cut
 from .errors import StorageError
 from .settings import StoreSettings
@@ -375,8 +375,8 @@ class BlobStore:
     def chunk(self, prefix: str) -> pa.Array:
         """A whole chunk's values, by the key prefix :meth:`append` returned
         (``segment:offset:length``): what a cluster's data node copies to another node."""
-        segment, offset, length = (int(x) for x in prefix.split(":"))
-        ck = (segment, offset, length)
+        ck = chunk_key(prefix)
+        segment, offset, length = ck
         with self._cache_lock:
             held = self._recent.get(ck)
         if held is not None:
@@ -458,10 +458,10 @@ class BlobStore:
         pieces: list[pa.Array] = []
         for prefix, items in by_prefix.items():
             try:
-                seg, off, length = (int(p) for p in prefix.split(":"))
+                ck = chunk_key(prefix)
             except ValueError:
                 raise StorageError(f"blob key {prefix}:{items[0][1]!r} is malformed") from None
-            pieces.append(self._rows((seg, off, length), [r for _, r in items], value_type))
+            pieces.append(self._rows(ck, [r for _, r in items], value_type))
             positions.extend(p for p, _ in items)
         values = pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
         if len(positions) == len(keys) and positions == list(range(len(keys))):
@@ -482,16 +482,16 @@ class BlobStore:
             return None
         prefix, _, row = str(keys[0].as_py()).rpartition(":")
         try:
-            ck = tuple(int(p) for p in prefix.split(":"))
+            ck = chunk_key(prefix)
             first = int(row)
         except ValueError:
             return None
-        if len(ck) != 3 or min(*ck, first) < 0:
+        if min(*ck, first) < 0:
             return None
         # built from the numbers read: a key spelled any other way differs from it
         if not names_rows(keys, ":".join(map(str, ck)), first):
             return None
-        return self._rows(ck, range(first, first + len(keys)), value_type)  # type: ignore[arg-type]
+        return self._rows(ck, range(first, first + len(keys)), value_type)
 
     def _rows(self, ck: tuple[int, int, int], rows: Sequence[int],
               value_type: pa.DataType) -> pa.Array:
