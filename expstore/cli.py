@@ -223,8 +223,8 @@ def _parse_storage(specs: tuple[str, ...]) -> dict[str, str] | None:
 @click.argument("name")
 @click.argument("columns", nargs=-1, required=True, metavar="COLUMN:TYPE...")
 @click.option("--if-not-exists", is_flag=True, help="Accept an existing table of that name.")
-@click.option("--max-staleness", type=int, default=0, show_default=True,
-              help="Rows older than version - N become stale (-1: never).")
+@click.option("--max-staleness", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Rows older than version - N become stale (0: strictly on-policy).")
 @click.option("--version-group", metavar="GROUP",
               help="Share a version counter with other tables (default: the table's name).")
 @click.option("--max-deliveries", type=click.IntRange(min=1), default=5, show_default=True,

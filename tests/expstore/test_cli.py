@@ -182,6 +182,14 @@ def test_an_unknown_uri_scheme_is_a_clear_error():
 
 
 # -- create-table / tables / describe ---------------------------------------------------------------
+def test_a_negative_max_staleness_is_bad_usage_and_the_help_does_not_offer_it(tmp_path):
+    db = str(tmp_path / "x.duckdb")
+    fails(invoke("create-table", "t", "a:int64", "--max-staleness", "-1", "--db", db), 2,
+          "--max-staleness", "-1")
+    assert not os.path.exists(db)
+    assert "-1" not in ok(invoke("create-table", "--help")).output
+
+
 def test_create_table_and_describe(backend):
     out = as_json(backend.run(
         "create-table", "solver", "prompt:string", "response:string", "tokens:list<int32>",
