@@ -68,6 +68,11 @@ class Target:
         import store
 
         if self.uri:
+            if "://" not in self.uri:
+                # store.connect would take it for a file name and create a database there.
+                raise click.ClickException(
+                    f"--uri {self.uri!r} is not a server address; expected grpc://HOST:PORT "
+                    f"(e.g. grpc://{self.uri}), or --db for a database file")
             _check_listening(self.uri)
             options: dict[str, Any] = {}
             if self.token:

@@ -181,6 +181,14 @@ def test_an_unknown_uri_scheme_is_a_clear_error():
     fails(invoke("tables", "--uri", "http://127.0.0.1:1"), 1, "unknown scheme")
 
 
+def test_a_uri_without_a_scheme_is_refused_and_creates_no_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fails(invoke("tables", "--uri", "127.0.0.1:8815"), 1, "'127.0.0.1:8815'",
+          "grpc://127.0.0.1:8815")
+    fails(invoke("tables", env={"EXPSTORE_URI": "localhost:8815"}), 1, "'localhost:8815'")
+    assert os.listdir(tmp_path) == []
+
+
 # -- create-table / tables / describe ---------------------------------------------------------------
 def test_a_negative_max_staleness_is_bad_usage_and_the_help_does_not_offer_it(tmp_path):
     db = str(tmp_path / "x.duckdb")
