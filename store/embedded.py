@@ -35,7 +35,7 @@ from .errors import AlreadyExists, ExpstoreError, InvalidArgument, LeaseExpired,
 from .index import StoreIndex
 from .live import Lease, LiveTable
 from .naming import check_identifier, quote
-from .opening import connect_duckdb, ensure_catalog, run_checkpoint
+from .opening import check_memory_limit, connect_duckdb, ensure_catalog, run_checkpoint
 from .ops import BumpOp, CallOp, PutOp, ReadOp, SettleOp, SmallPutOp
 from .prepare import SMALL_ROWS, check_columns, put_versions, to_arrow_table
 from .putlog import PutLog, log_path, replay
@@ -73,6 +73,7 @@ class EmbeddedStore:
         self.ref_threshold = settings.ref_threshold
         self.query_timeout = settings.query_timeout
         memory_limit, max_concurrent_queries = settings.memory_limit, settings.max_concurrent_queries
+        check_memory_limit(memory_limit)
         ensure_catalog(path)
         self._memory_limit = memory_limit
         self._con = connect_duckdb(path, memory_limit)

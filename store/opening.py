@@ -101,6 +101,23 @@ def duckdb_config(memory_limit: str | None) -> dict[str, Any]:
     return config
 
 
+def check_memory_limit(memory_limit: str | None) -> None:
+    """Refuse a memory limit DuckDB would not take, before any file is created: DuckDB only
+    parses it when the database opens, and by then the catalog is already written.
+
+    Raises:
+        InvalidArgument: naming the value and the spellings DuckDB takes.
+    """
+    if not memory_limit:
+        return
+    try:
+        duckdb.connect(":memory:", config={"memory_limit": memory_limit}).close()
+    except duckdb.Error as e:
+        raise InvalidArgument(f"memory_limit {memory_limit!r} is invalid ({e}); expected a size "
+                              "such as 4GB or 512MiB, or a share of the machine's memory such as "
+                              "80%") from None
+
+
 def connect_duckdb(path: str, memory_limit: str | None) -> duckdb.DuckDBPyConnection:
     try:
         con = duckdb.connect(path, config=duckdb_config(memory_limit))

@@ -32,6 +32,8 @@ def test_settings_object_and_options_combine(open_store):
     ({"materialize_delay": -1.0}, "materialize_delay"),
     ({"max_group_ops": "many"}, "max_group_ops"),
     ({"query_timeout": 0}, "query_timeout"),
+    ({"memory_limit": "lots"}, "'lots'"),
+    ({"memory_limit": "1000"}, "'1000'"),
 ])
 def test_a_bad_setting_is_refused_naming_it_and_nothing_is_opened(tmp_path, options, named):
     path = tmp_path / "x.duckdb"
