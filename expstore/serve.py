@@ -56,7 +56,7 @@ def tune_gc() -> None:
     gc.set_threshold(100_000, 50, 100)
 
 
-def check_can_listen(host: str, port: int) -> None:
+def check_can_listen(host: str, port: int, option: str = "--port") -> None:
     """Refuse, with the cause and what to do, an address gRPC could not listen on.
 
     gRPC's own failure is "Server did not start properly" between lines of its C-core's log, the
@@ -89,7 +89,7 @@ def check_can_listen(host: str, port: int) -> None:
                 if e.errno == errno.EADDRINUSE:
                     raise InvalidArgument(
                         f"port {port} on {host} is in use (another expstore serve?); stop what "
-                        "listens there, or pick another with --port (0 picks a free one)"
+                        f"listens there, or pick another with {option} (0 picks a free one)"
                     ) from None
                 errors.append(e)
     if len(errors) < len(addresses):
@@ -101,8 +101,8 @@ def check_can_listen(host: str, port: int) -> None:
             "only), 0.0.0.0 (every interface) or one of its addresses")
     if first.errno == errno.EACCES:
         raise InvalidArgument(f"port {port} needs privileges to listen on; pick one above 1023 "
-                              "with --port")
-    raise InvalidArgument(f"cannot listen on {host}:{port}: {first.strerror}")
+                              f"with {option}")
+    raise InvalidArgument(f"cannot listen on {host}:{port} ({option}): {first.strerror}")
 
 
 def check_tls_files(cert: str, key: str) -> None:
@@ -187,6 +187,8 @@ def run_server(db: str, *, host: str = "127.0.0.1", port: int = 8815,
             warn(f"warning: --metrics-port {metrics_port} ignored: this installation has no "
                  "metrics module (flight_server.metrics)")
     check_can_listen(host, port)
+    if options.get("metrics_port"):  # 0 picks a free one
+        check_can_listen(metrics_host or host, options["metrics_port"], "--metrics-port")
     if tls_cert and tls_key:
         check_tls_files(tls_cert, tls_key)
     try:

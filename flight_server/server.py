@@ -106,16 +106,19 @@ class ExpstoreFlightServer(flight.FlightServerBase):
         self._shutdown_lock = threading.Lock()
         self._shut_down = False
         self.metrics = Metrics(self.store)
+        self.metrics_host = metrics_host or host
+        # /metrics binds first: a port it cannot have then fails before Flight serves, and the
+        # store is closed again (its file lock released) whichever of the two fails.
         try:
+            self.metrics_port = self.metrics.serve(metrics_port, self.metrics_host, auth) \
+                if metrics_port is not None else None
             super().__init__(f"{scheme}://{host}:{port}", tls_certificates=tls,
                              middleware=middleware)
         except BaseException:
+            self.metrics.close()
             if self._owns_store:
                 self.store.close()
             raise
-        self.metrics_host = metrics_host or host
-        self.metrics_port = self.metrics.serve(metrics_port, self.metrics_host, auth) \
-            if metrics_port is not None else None
 
     @property
     def location(self) -> str:

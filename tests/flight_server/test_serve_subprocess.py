@@ -27,6 +27,7 @@ from click.testing import CliRunner
 import store
 from store.errors import TableFull
 from expstore.cli import cli
+from flight_server.server import ExpstoreFlightServer
 from test_flight_session import RawSession
 from test_session_puts import ipc, send_put
 from waiting import wait_until
@@ -359,6 +360,28 @@ def test_serve_on_a_port_in_use_names_it(start_server, tmp_path):
         port = busy.getsockname()[1]
         err = _refused_start(start_server, tmp_path, "--port", str(port))
     assert f"port {port} on 127.0.0.1 is in use" in err and "--port" in err
+
+
+def test_serve_on_a_metrics_port_in_use_names_it(start_server, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err = _refused_start(start_server, tmp_path, "--port", "0", "--metrics-port", str(port))
+    assert f"port {port} on 127.0.0.1 is in use" in err and "--metrics-port" in err, err
+
+
+def test_a_server_whose_metrics_port_is_taken_releases_its_store(tmp_path):
+    db = str(tmp_path / "m.duckdb")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(OSError):
+            ExpstoreFlightServer(db, host="127.0.0.1", port=0,
+                                 metrics_port=busy.getsockname()[1])
+    # Another process can open the file: the failed server left no lock on it.
+    subprocess.run([sys.executable, "-c", f"import store; store.connect({db!r}).close()"],
+                   check=True, timeout=60)
 
 
 def test_serve_on_an_address_of_another_machine_names_it(start_server, tmp_path):
