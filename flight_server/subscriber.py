@@ -61,15 +61,21 @@ class RemoteSubscription:
         descriptor = flight.FlightDescriptor.for_command(command.encode())
         try:
             self._writer, self._reader = remote.open_exchange(descriptor)
-            first = self._reader.read_chunk()
         except (flight.FlightError, pa.ArrowException) as e:
             raise from_flight(e) from None
-        hello = server_message(first.app_metadata.to_pybytes() if first.app_metadata else None)
+        try:
+            first = self._reader.read_chunk()
+            hello = server_message(first.app_metadata.to_pybytes() if first.app_metadata
+                                   else None)
+        except (flight.FlightError, pa.ArrowException) as e:
+            self._close_refused()
+            raise from_flight(e) from None
         error = reply_error(hello)
+        if error is None and hello.get("type") != "subscribed":
+            error = ExpstoreError(f"malformed subscription hello from the server: {hello!r}")
         if error is not None:
+            self._close_refused()
             raise error
-        if hello.get("type") != "subscribed":
-            raise ExpstoreError(f"malformed subscription hello from the server: {hello!r}")
         self.version = int(hello["version"])
         self.global_batch = 0
         self._batches: queue.Queue[RemoteMicroBatch | BaseException | None] = queue.Queue()
@@ -279,6 +285,15 @@ class RemoteSubscription:
             except (flight.FlightError, pa.ArrowException):
                 pass
             self._thread.join(timeout=10)
+        try:
+            self._writer.close()
+        except (flight.FlightError, pa.ArrowException):
+            pass
+
+    def _close_refused(self) -> None:
+        """End the call of a subscription the server refused. Closing the writer raises the
+        call's error again; left to the garbage collector, pyarrow prints it on stderr
+        ("Close() failed: …") long after the caller handled it."""
         try:
             self._writer.close()
         except (flight.FlightError, pa.ArrowException):

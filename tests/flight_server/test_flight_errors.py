@@ -460,3 +460,19 @@ def test_long_input_through_the_remote_store_keeps_its_class(served):
             remote.describe(LONG)
         with pytest.raises(E.NotFound, match="100,000 characters"):
             remote.ack(LONG_WIDE)
+
+
+# -- a refused subscription ----------------------------------------------------------------------
+def test_a_refused_subscription_raises_once_and_prints_nothing(served, capfd):
+    import gc
+
+    from flight_server.client import RemoteStore
+    server, _ = served
+    with RemoteStore(f"grpc://127.0.0.1:{server.port}") as remote:
+        with pytest.raises(E.InvalidArgument, match="not a multiple of micro_batch_size 3"):
+            remote.subscribe(TABLE, micro_batch_size=3, global_batch_size=4)
+        with pytest.raises(E.NotFound, match="'nope'"):
+            remote.subscribe("nope", micro_batch_size=1, global_batch_size=1)
+        gc.collect()
+    # pyarrow prints an unclosed call's error on stderr ("Close() failed") when it is collected
+    assert "Close() failed" not in capfd.readouterr().err
