@@ -139,9 +139,7 @@ MAX_WAIT_SECONDS = 300.0
 def _wait_version(s: EmbeddedStore, b: dict[str, Any]) -> Any:
     timeout = _wait_seconds(b, "wait_version")
     min_version = b["min_version"]
-    if not isinstance(min_version, int) or isinstance(min_version, bool):
-        raise InvalidArgument(f"min_version {min_version!r} is not an integer")
-    version = s.wait_version(b["table"], min_version, timeout)
+    version = s.wait_version(b["table"], min_version, timeout)  # checks min_version
     return {"table": b["table"], "version": version, "reached": version >= min_version,
             "weights_uri": s.weights_uri(b["table"])}
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from store.claims import Claim, ClaimRequest
-from store.sqlguard import check_sql_text
+from store.claims import Claim, ClaimRequest, claim_requests
+from store.sqlguard import check_query_options, check_sql_text
 from store.errors import ExpstoreError, InvalidArgument, StoreClosed, Unavailable
 from store.prepare import to_arrow_table
-from store.schema import TableDef
+from store.schema import TableDef, check_columns
 
 from . import wire
 from .session_client import Answer, SessionChannel, json_answer
@@ -143,6 +143,7 @@ class RemoteStore:
                      storage: Mapping[str, str] | None = None,
                      required: list[str] | None = None) -> dict[str, Any]:
         """See :meth:`store.embedded.EmbeddedStore.create_table`."""
+        check_columns(name, columns)
         body = {"name": name, "columns": {k: _type_spelling(v) for k, v in columns.items()},
                 "if_not_exists": if_not_exists, "max_staleness": max_staleness,
                 "version_group": version_group, "max_deliveries": max_deliveries,
@@ -313,6 +314,7 @@ class RemoteStore:
 
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:
+        requests = claim_requests(requests)
         body = wire.claim_many_body(requests, consumer, lease_seconds)
         claim = self._claim_on_session("claim_many", body, [r.table for r in requests])
         return claim if claim.claim_id else self._empty_claim(claim, requests)
@@ -440,6 +442,7 @@ class RemoteStore:
     # -- SQL and stats -------------------------------------------------------------------------
     def query(self, sql: str, params: list[Any] | None = None, *,
               timeout: float | None = None) -> pa.Table:
+        check_query_options(params, timeout)
         ticket = wire.SqlTicket(check_sql_text(sql), params, timeout)
         with self._calls():
             reader = self._client.do_get(flight.Ticket(ticket.encode()), self._options())

@@ -13,6 +13,25 @@ MAX_CLAIM_ROWS = 100_000
 GROUP_COLUMNS = ("input_id",)
 
 
+def claim_requests(requests: object) -> list["ClaimRequest"]:
+    """``claim_many``'s requests as a list, each a :class:`ClaimRequest`.
+
+    Raises:
+        InvalidArgument: naming what was given instead.
+    """
+    if isinstance(requests, (str, bytes)) or not hasattr(requests, "__iter__"):
+        raise InvalidArgument(f"claim_many takes a list of ClaimRequest, e.g. "
+                              f"[ClaimRequest('solver', 16)]; got {type(requests).__name__} "
+                              f"{requests!r}")
+    out = list(requests)  # type: ignore[call-overload]
+    for i, request in enumerate(out):
+        if not isinstance(request, ClaimRequest):
+            raise InvalidArgument(f"claim_many request {i} is {type(request).__name__} "
+                                  f"{request!r}; expected a ClaimRequest, e.g. "
+                                  "ClaimRequest('solver', 16)")
+    return out
+
+
 @dataclass(frozen=True)
 class ClaimRequest:
     """Up to ``limit`` ready rows of ``table`` matching ``where``.

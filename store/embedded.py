@@ -29,7 +29,7 @@ from .barrier import DEFAULT_BARRIER_TIMEOUT, SETTING_PREFIX, check_expected, ch
 from .barriers import Barriers
 from .blobs import BlobStore
 from .claim_engine import ClaimEngine
-from .claims import Claim, ClaimRequest
+from .claims import Claim, ClaimRequest, claim_requests
 from .errors import AlreadyExists, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
     StorageError, StoreClosed, TableFull
 from .index import StoreIndex
@@ -43,7 +43,7 @@ from .readers import Readers
 from .recovery import load_state
 from .schema import TableDef
 from .settings import StoreSettings
-from .sqlguard import check_select
+from .sqlguard import check_query_options, check_select
 from .sqlvalues import drop_keys, whole_table, with_values
 from .writer import Writer
 
@@ -321,7 +321,8 @@ class EmbeddedStore:
 
         Either every request gets at least its ``min_rows`` or nothing is leased.
         """
-        return self._claims.claim_many(requests, consumer=consumer, lease_seconds=lease_seconds)
+        return self._claims.claim_many(claim_requests(requests), consumer=consumer,
+                                       lease_seconds=lease_seconds)
 
     def ack(self, claim_id: str) -> dict[str, Any]:
         """Mark a claim's rows consumed; durable on return; acking twice is harmless.
@@ -449,6 +450,8 @@ class EmbeddedStore:
         """
         if self._closed:
             raise StoreClosed("the store is closed")
+        if not isinstance(min_version, int) or isinstance(min_version, bool):
+            raise InvalidArgument(f"min_version {min_version!r} is not an integer")
         live = self._index.live_table(table)
         group = live.tdef.version_group
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -561,8 +564,7 @@ class EmbeddedStore:
             QueryTimeout: it ran past ``timeout`` (default the store's ``query_timeout``).
         """
         check_select(sql)
-        if params is not None and not isinstance(params, (list, tuple)):
-            raise InvalidArgument(f"query parameters {params!r} are not a list")
+        check_query_options(params, timeout)
         limit = self.query_timeout if timeout is None else timeout
         readers = self._readers
         deadline = readers.take_query_slot(limit, "the query")

@@ -71,8 +71,19 @@ def to_arrow_table(tdef: TableDef, data: Any) -> pa.Table:
     if isinstance(data, pa.Table):
         return data
     if isinstance(data, Mapping):
-        data = _columns_to_arrays(tdef, data)
-        return pa.table(data)
+        for name, values in data.items():
+            if isinstance(values, (str, bytes, bytearray, Mapping)) \
+                    or not hasattr(values, "__iter__"):
+                raise InvalidArgument(
+                    f"column {name!r} of a dict of columns is one {type(values).__name__} "
+                    f"{values!r}; expected a list of values, one per row (for one row: "
+                    f"{{{name!r}: [value], …}} or a list of row dicts [{{…}}])")
+        arrays = _columns_to_arrays(tdef, data)
+        lengths = {name: len(values) for name, values in arrays.items()}
+        if len(set(lengths.values())) > 1:
+            raise InvalidArgument(f"the columns of a dict of columns have different lengths "
+                                  f"{lengths}; expected one value per row in every column")
+        return pa.table(arrays)
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
         if not all(isinstance(r, Mapping) for r in data):
             raise InvalidArgument("rows must be mappings of column name to value")

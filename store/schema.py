@@ -83,6 +83,19 @@ class ColumnDef:
         return cls(d["name"], parse_type(d["type"]), d["storage"], d["required"])
 
 
+def check_columns(table: object, columns: object) -> None:
+    """Refuse a table's data columns unless they are a non-empty mapping of name to type (what
+    a client checks before sending, as :meth:`TableDef.build` does).
+
+    Raises:
+        InvalidArgument: naming what was given.
+    """
+    if not isinstance(columns, Mapping) or not columns:
+        raise InvalidArgument(f"table {table!r} needs at least one data column, given as a "
+                              "mapping of column name to type, e.g. {'reward': 'float64'}; got "
+                              f"{type(columns).__name__} {columns!r}")
+
+
 @dataclass(frozen=True)
 class TableDef:
     """The definition of one experience table, as kept in the catalog."""
@@ -116,9 +129,7 @@ class TableDef:
         # Only None means "no group": a falsy non-string ([], 0, "") is a mistake, not a default.
         group = check_identifier(version_group, "version group") \
             if version_group is not None else name
-        if not isinstance(columns, Mapping) or not columns:
-            raise InvalidArgument(f"table {name!r} needs at least one data column, given as a "
-                                  "mapping of column name to type, e.g. {'reward': 'float64'}")
+        check_columns(name, columns)
         if storage is not None and not isinstance(storage, Mapping):
             raise InvalidArgument(f"storage {storage!r} is invalid; expected a mapping of column "
                                   "name to 'value', 'ref' or 'auto'")

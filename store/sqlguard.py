@@ -15,12 +15,13 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import math
 import threading
 from typing import Any, Iterator
 
 import duckdb
 
-from .errors import QueryRefused
+from .errors import InvalidArgument, QueryRefused
 from .naming import quote
 
 # Table functions a read-only query may use; everything else (read_csv, glob, query_table,
@@ -83,6 +84,22 @@ def check_sql_text(sql: object) -> str:
         raise QueryRefused(f"query of {len(sql)} characters is longer than the "
                            f"{MAX_SQL_CHARS}-character limit")
     return sql
+
+
+def check_query_options(params: object, timeout: object) -> None:
+    """Refuse query parameters that are not a list, and a time limit that is not a positive
+    number of seconds (what a client checks before sending, as the embedded store does).
+
+    Raises:
+        InvalidArgument: naming the value.
+    """
+    if params is not None and not isinstance(params, (list, tuple)):
+        raise InvalidArgument(f"query parameters {params!r} are not a list; expected a list of "
+                              "values, one for each ?")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < math.inf):
+        raise InvalidArgument(f"query timeout {timeout!r} is invalid; expected a number of "
+                              "seconds > 0")
 
 
 def check_select(sql: object) -> str:

@@ -1,0 +1,59 @@
+"""Bad input through the Python API, embedded and remote alike (``any_store``): each mistake a
+new user makes is refused with a store error naming the value and what was expected (never a
+bare TypeError, AttributeError or pyarrow error), and nothing stored changes."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from store import ClaimRequest
+from store.errors import InvalidArgument
+
+ROWS = [{"sample_id": f"q{i}_0_0", "prompt": "p", "reward": 1.0} for i in range(4)]
+
+
+def _stored(s: Any) -> list[dict]:
+    return s.query("SELECT sample_id, prompt, reward, policy_version FROM t "
+                   "ORDER BY sample_id").to_pylist()
+
+
+CASES: dict[str, tuple[Callable[[Any], Any], list[str]]] = {
+    "one row as a dict of scalars": (
+        lambda s: s.put("t", {"sample_id": "q9_0_0", "prompt": "hello"}),
+        ["'sample_id'", "'q9_0_0'", "list of values"]),
+    "a string split into characters": (  # two rows, 'hi': stored 'h' and 'i' before
+        lambda s: s.put("t", {"sample_id": ["q0_0_0", "q1_0_0"], "prompt": "hi"}),
+        ["'prompt'", "'hi'", "list of values"]),
+    "columns of different lengths": (
+        lambda s: s.put("t", {"sample_id": ["q0_0_0", "q1_0_0"], "reward": [5.0]}),
+        ["different lengths", "'sample_id': 2", "'reward': 1"]),
+    "claim_many of tuples": (
+        lambda s: s.claim_many([("t", 1)]), ["tuple", "('t', 1)", "ClaimRequest"]),
+    "claim_many of one request": (
+        lambda s: s.claim_many(ClaimRequest("t", 1)), ["ClaimRequest"]),
+    "wait_version of a string": (
+        lambda s: s.wait_version("t", "1", timeout=0.1), ["min_version '1'", "integer"]),
+    "query parameters not a list": (
+        lambda s: s.query("SELECT ?", 5), ["parameters 5", "list"]),
+    "query timeout 0": (lambda s: s.query("SELECT 1", timeout=0), ["timeout 0", "> 0"]),
+    "query timeout negative": (lambda s: s.query("SELECT 1", timeout=-1), ["timeout -1"]),
+    "create_table of a list": (
+        lambda s: s.create_table("c", ["a"]), ["'c'", "mapping", "list ['a']"]),
+    "create_table of None": (lambda s: s.create_table("c", None), ["'c'", "NoneType None"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_mistake_is_a_store_error_naming_the_value(any_store, case):
+    operation, named = CASES[case]
+    any_store.create_table("t", {"prompt": "string", "reward": "float64"})
+    any_store.put("t", ROWS)
+    before = _stored(any_store)
+    with pytest.raises(InvalidArgument) as raised:
+        operation(any_store)
+    for needle in named:
+        assert needle in str(raised.value), (needle, str(raised.value))
+    assert _stored(any_store) == before
+    assert any_store.list_tables() == ["t"]
+    assert any_store.stats("t")["t"]["ready"] == len(ROWS)
