@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -40,6 +41,12 @@ def click_errors() -> Iterator[None]:
         yield
     except ExpstoreError as e:
         raise click.ClickException(str(e)) from e
+    except BrokenPipeError:
+        # The reader went away (`expstore query … | head`): end quietly, as `cat` would, with
+        # SIGPIPE's status; stdout goes to /dev/null so that the final flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise SystemExit(141) from None
     except OSError as e:
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         raise click.ClickException(f"{where}{e.strerror or e}") from e

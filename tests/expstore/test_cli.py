@@ -11,6 +11,8 @@ import csv
 import io
 import json
 import os
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -560,3 +562,19 @@ def test_every_command_is_documented_in_docs_cli_md():
     for path in ALL_COMMANDS[1:]:
         name = " ".join(path)
         assert any(f"`{name}" in h for h in headings), f"docs/cli.md has no section on {name!r}"
+
+
+def test_output_cut_short_by_its_reader_ends_quietly(tmp_path):
+    """`expstore query … | head`: the closed pipe is no error to report."""
+    db = str(tmp_path / "x.duckdb")
+    with _opened(db) as s:
+        seed(s)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "expstore.cli", "query", "SELECT range AS n FROM range(300000)",
+         "--db", db], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(10)
+    proc.stdout.close()  # as `head` does once it has its lines
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert err == "", err
