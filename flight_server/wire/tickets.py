@@ -91,8 +91,9 @@ def sql_ticket(doc: Any, max_timeout: float) -> SqlTicket:
     if timeout is not None and (not isinstance(timeout, (int, float))
                                 or isinstance(timeout, bool)
                                 or not 0 < timeout <= max_timeout):
-        raise InvalidArgument(f"ticket timeout {timeout!r} is invalid; expected seconds "
-                              f"in (0, {max_timeout}]")
+        raise InvalidArgument(f"query timeout {timeout!r} is invalid; expected seconds in "
+                              f"(0, {max_timeout}], the server's query time limit (expstore "
+                              "serve --set query_timeout=N raises it)")
     # params are checked by the store's query, which a local caller reaches too
     return SqlTicket(doc["sql"], doc.get("params"), timeout)
 

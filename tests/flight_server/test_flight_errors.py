@@ -339,6 +339,8 @@ REMOTE_CASES: dict[str, tuple[Callable[[Any], Any], type, str]] = {
                          "expected 0"),
     "SQL not read-only": (lambda r: r.query(f"DELETE FROM {TABLE}"), E.QueryRefused, "DELETE"),
     "query timeout": (lambda r: r.query(HEAVY_SQL, timeout=0.2), E.QueryTimeout, "0.2 s"),
+    "query timeout above the server's limit": (lambda r: r.query("SELECT 1", timeout=600),
+                                               E.InvalidArgument, "server's query time limit"),
     "claim limit 0": (lambda r: r.claim(TABLE, 0), E.InvalidArgument, "limit 0"),
     "claim limit -1": (lambda r: r.claim(TABLE, -1), E.InvalidArgument, "limit -1"),
     "claim limit 10**9": (lambda r: r.claim(TABLE, 10**9), E.InvalidArgument, "1000000000"),
