@@ -142,6 +142,9 @@ class Subscription:
         # at its first claim.
         self._requests = [ClaimRequest(t, micro_batch_size, where, group_by, group_size,
                                        micro_batch_size).validated() for t in tables]
+        if where is not None:
+            for t in tables:
+                store.check_predicate(t, where)
         if len(tables) > 1:
             groups = {t: store.describe(t)["version_group"] for t in tables}
             if len(set(groups.values())) != 1:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from store.errors import InvalidArgument, StaleVersion
+from store.errors import InvalidArgument, QueryRefused, StaleVersion
 
 MICRO, GLOBAL = 16, 64
 
@@ -170,3 +170,17 @@ def test_bad_subscription_sizes(any_store):
         s.subscribe("t", micro_batch_size=16, global_batch_size=60)
     with pytest.raises(InvalidArgument, match="0"):
         s.subscribe("t", micro_batch_size=0, global_batch_size=16)
+
+
+def test_a_predicate_naming_an_unknown_column_fails_the_subscription_before_any_row(any_store):
+    """A trainer subscribes before its rollouts start: a typo in ``where`` must fail then, not
+    at the first claim that finds ready rows."""
+    s = any_store
+    s.create_table("t", {"reward": "float64"})
+    with pytest.raises(QueryRefused, match="'rewrad > 0'.*rewrad"):
+        s.subscribe("t", 1, 1, where="rewrad > 0")
+    sub = s.subscribe("t", 1, 1, where="reward > 0", idle_timeout=0.5)  # a good one still works
+    s.put("t", [{"sample_id": "q_0_0", "reward": 1.0}])
+    batch = next(iter(sub))
+    batch.ack()
+    sub.close()
