@@ -198,6 +198,10 @@ class ExchangeSession:
         kind = msg.type
         request = msg.request
         try:
+            if msg.unreadable is not None:
+                raise InvalidArgument(f"subscription message {msg.unreadable} is not a JSON "
+                                      "object; expected one such as {\"type\": \"ack\", "
+                                      "\"claim_id\": …, \"request\": 1}")
             if kind in ("ack", "nack"):
                 self._principal.require("writer", kind)
                 claim_id = msg.claim_id

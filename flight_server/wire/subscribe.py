@@ -180,6 +180,8 @@ class ClientMessage(NamedTuple):
     request: Any = None
     claim_id: Any = None
     weights_uri: Any = None
+    #: what was received instead of a JSON object (its first bytes), else None
+    unreadable: str | None = None
 
     def encode(self) -> bytes:
         doc: dict[str, Any] = {"type": self.type}
@@ -193,14 +195,14 @@ class ClientMessage(NamedTuple):
 
     @classmethod
     def decode(cls, raw: bytes) -> "ClientMessage":
-        """Never fails: what is not a JSON object is a message of type ``"invalid"``, answered
-        as an unknown type."""
+        """Never fails: what is not a JSON object is a message of type ``"invalid"`` whose
+        ``unreadable`` holds the start of what came, answered with an error naming it."""
         try:
             doc = json.loads(raw)
         except JSON_ERRORS:
             doc = None
         if not isinstance(doc, dict):
-            return cls("invalid")
+            return cls("invalid", unreadable=repr(bytes(raw[:100])))
         return cls(doc.get("type"), doc.get("request"), doc.get("claim_id"),
                    doc.get("weights_uri"))
 

@@ -226,6 +226,12 @@ def test_subscription_over_raw_do_exchange(client):
         assert answer["type"] == "error" and answer["request"] == 3
         assert answer["code"] == "invalid_argument" and "no-such-claim" in answer["message"]
 
+        writer.write_metadata(pa.py_buffer(b"not json"))
+        answer, _ = next_message()
+        assert (answer["type"], answer["request"], answer["code"]) == (
+            "error", None, "invalid_argument")
+        assert "b'not json' is not a JSON object" in answer["message"]
+
         send({"type": "bump", "request": 4, "weights_uri": "file:///w/1"})
         answer, _ = next_message()
         assert answer == {"type": "bumped", "request": 4, "version": 1}

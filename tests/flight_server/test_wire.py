@@ -490,9 +490,11 @@ def test_a_malformed_subscribe_command_is_refused(raw, named):
     assert named in str(e.value)
 
 
-def test_a_client_message_that_is_not_an_object_is_answered_as_an_unknown_type():
+def test_a_client_message_that_is_not_an_object_keeps_what_came_for_its_error():
     for raw in (b"{", b"[1]", b'"ack"', b"\xff"):
-        assert wire.ClientMessage.decode(raw) == wire.ClientMessage("invalid")
+        assert wire.ClientMessage.decode(raw) == wire.ClientMessage("invalid",
+                                                                    unreadable=repr(raw))
+    assert wire.ClientMessage.decode(b"x" * 500).unreadable == repr(b"x" * 100)
 
 
 @pytest.mark.parametrize("raw, named", [
