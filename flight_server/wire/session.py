@@ -10,7 +10,7 @@ returns, or ``{"id", "error": {"code", "message"}}``; a server that shuts down s
 >>> SessionRequest(7, "ack", {"claim_id": "c1"}).encode().to_pybytes()
 b'{"id": 7, "action": "ack", "body": {"claim_id": "c1"}}\\n'
 >>> SessionRequest.decode(b'{"id": 7, "action": "ack", "body": {"claim_id": "c1"}}\\n')
-SessionRequest(id=7, action='ack', body={'claim_id': 'c1'}, parts=(), schemas=None)
+SessionRequest(id=7, action='ack', body={'claim_id': 'c1'}, parts=(), schemas=None, problem=None)
 """
 from __future__ import annotations
 
@@ -95,6 +95,9 @@ class SessionRequest(NamedTuple):
     body: Any
     parts: Sequence[bytes] = ()
     schemas: Any = None
+    #: why the parts after a readable header could not be cut (raised by :meth:`check`, whose
+    #: caller then knows the request's id), else None
+    problem: str | None = None
 
     def encode(self) -> pa.Buffer:
         header = {"id": self.id, "action": self.action, "body": self.body}
@@ -116,13 +119,18 @@ class SessionRequest(NamedTuple):
                                       f"body}} on one line, then its parts; {e}") from None
         if not isinstance(request, dict):
             raise InvalidArgument("a session request must be a JSON object {id, action, body}")
-        parts = split_parts(request.get("sizes", []), rest)
+        try:
+            parts, problem = split_parts(request.get("sizes", []), rest), None
+        except InvalidArgument as e:
+            parts, problem = (), str(e)
         return cls(request.get("id"), request.get("action"), request.get("body", {}), parts,
-                   request.get("schemas"))
+                   request.get("schemas"), problem)
 
     def check(self, served: Sequence[str]) -> "SessionRequest":
         """The request itself if its action is one of ``served`` with a JSON object as its
         body, and parts only for a put; InvalidArgument naming what is wrong."""
+        if self.problem is not None:
+            raise InvalidArgument(self.problem)
         if self.action not in served:
             raise InvalidArgument(f"action {self.action!r} is not served on a session; "
                                       f"session actions: {list(served)} (use do_action for "

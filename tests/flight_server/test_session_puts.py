@@ -105,6 +105,7 @@ def test_malformed_parts_are_refused(server, raw, words):
     session.writer.write_metadata(pa.py_buffer(raw))
     header, _ = session.answer()
     assert header["error"]["code"] == "invalid_argument" and words in header["error"]["message"]
+    assert header["id"] == 1  # the header parsed: its answer names it, so the client can match it
     session.close()
 
 

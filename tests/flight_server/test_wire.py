@@ -445,9 +445,13 @@ def test_a_flag_must_be_a_json_boolean():
     (b'{"id": 1, "sizes": [4]}\nabc', "add up to 4 bytes but 3 follow its header"),
 ])
 def test_a_malformed_session_request_is_refused(raw, named):
+    """A header that does not parse is refused at once; parts that do not fit a parsed header
+    when the request is checked, its id known for the answer."""
     with pytest.raises(E.InvalidArgument) as e:
-        wire.SessionRequest.decode(raw)
+        wire.SessionRequest.decode(raw).check(("claim", "put"))
     assert named in str(e.value)
+    if b"sizes" in raw:
+        assert wire.SessionRequest.decode(raw).id == 1
 
 
 def test_a_session_header_may_span_lines_when_it_has_no_parts():
