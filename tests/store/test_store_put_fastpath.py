@@ -700,3 +700,58 @@ def test_a_group_claim_takes_whole_groups_of_a_block_and_leaves_the_rest(open_st
     _counts_match_the_index(s)
     assert s.claim("t", 8).data.column("sample_id").to_pylist() == [f"q1_0_{t}" for t in range(4)]
     _counts_match_the_index(s)
+
+
+def _model_claim(groups, limit, group_size):
+    """What a claim takes from ``groups`` (group key -> its ready sample ids in claim order,
+    removed as taken): groups in key order, each's first rows (whole groups of ``group_size``),
+    until the claim is full."""
+    chosen = []
+    for key in sorted(groups):
+        room = limit - len(chosen)
+        rows = groups[key]
+        n = min(len(rows), room) // group_size * group_size if group_size else \
+            min(len(rows), room)
+        chosen += rows[:n]
+        del rows[:n]
+        if not rows:
+            del groups[key]
+        if len(chosen) + (group_size or 1) > limit:
+            break
+    return chosen
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_claims_of_many_groups_of_blocks_take_what_the_group_order_says(open_store, seed):
+    """A claim takes consecutive groups of one block in one pass: groups of several blocks
+    interleaved in claim order, groups numbered in a block out of claim order, groups split
+    over blocks and groups shorter than the group size all come back as the group order
+    says, claim after claim."""
+    import random
+    rng = random.Random(seed)
+    s = open_store()
+    s.create_table("t", COLUMNS)
+    groups, written = {}, set()
+    for _ in range(4):                         # bulk puts (blocks) of new rows
+        names = rng.sample(range(30), rng.randint(3, 12))
+        rows = [(f"q{i}", turn, traj) for i in names
+                for turn in range(rng.randint(1, 2)) for traj in range(rng.randint(1, 6))
+                if (f"q{i}", turn, traj) not in written]
+        written.update(rows)
+        rng.shuffle(rows)
+        if not rows:
+            continue
+        s.put("t", [_full(f"{q}_{turn}_{traj}") for q, turn, traj in rows])
+        for q, turn, traj in rows:
+            groups.setdefault(q, []).append((turn, traj))
+    groups = {(0, q): [f"{q}_{t}_{j}" for t, j in sorted(rows)] for q, rows in groups.items()}
+    while groups:
+        limit = rng.choice([1, 3, 8, 16, 40])
+        group_size = rng.choice([None, None, 2, 4, 8])
+        if group_size and group_size > limit:
+            group_size = None
+        expected = _model_claim(groups, limit, group_size)
+        got = s.claim("t", limit, **({"group_by": "input_id", "group_size": group_size}
+                                     if group_size else {}))
+        assert got.data.column("sample_id").to_pylist() == expected, (limit, group_size)
+        _counts_match_the_index(s)
