@@ -161,7 +161,6 @@ class ClaimEngine:
 
     def _fetch(self, live: LiveTable, rows: list[Row]) -> pa.Table:
         """The claim's rows, from the claim cache where possible, else from DuckDB."""
-        tdef = live.tdef
         deliveries = [r.deliveries for r in rows]
         delivery_count = (_first_deliveries(len(rows)) if deliveries.count(1) == len(rows)
                           else pa.array(deliveries, pa.int32()))
@@ -177,10 +176,8 @@ class ClaimEngine:
             if first is not None and all(p is not None and p[0] is first[0] for p in payloads):
                 one_put = first[0], [p[1] for p in payloads]  # type: ignore[index]
             else:
-                columns = self._columns(live, self._sources(live, rows, payloads))
-                return pa.Table.from_arrays([delivery_count if at < 0 else columns[at]
-                                             for at in live.claim_sources],
-                                            schema=tdef.claim_schema())
+                return self._several_puts_table(live, self._sources(live, rows, payloads),
+                                                deliveries)
         return self._one_put_table(live, one_put[0], RowCut(one_put[1]), delivery_count)
 
     @staticmethod
@@ -256,22 +253,34 @@ class ClaimEngine:
         first claim and kept while the put is cached (a cached put belongs to one table)."""
         return self._layouts.of(table, lambda: PutLayout.of(live, table))
 
-    def _columns(self, live: LiveTable,
-                 sources: dict[int, tuple[pa.Table, list[int], list[int]]]) -> dict[int, pa.Array]:
-        """The claim's columns (by position in the payload) from rows of several cached tables:
-        one cut per table, then one reorder into claim order (far cheaper than a slice and a
-        concat per row), by-reference values resolved from their keys."""
-        parts = [RowCut(indices).rows_of(table) for table, indices, _ in sources.values()]
-        data = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
-        order = [p for _, _, positions in sources.values() for p in positions]
-        if len(parts) > 1 and order != sorted(order):
-            data = data.take(_inverse(order))
-        columns = dict(enumerate(data.combine_chunks().columns))
-        for value_at, key_at in live.claim_refs:
-            keys = columns[key_at]
-            if keys.null_count < len(keys):  # some values are in the blob store
-                columns[value_at] = self._resolved(columns[value_at], keys)
-        return columns
+    def _several_puts_table(self, live: LiveTable,
+                            sources: dict[int, tuple[pa.Table, list[int], list[int]]],
+                            deliveries: list[int]) -> pa.Table:
+        """The claim's table from rows of several cached tables (a claim spanning puts): each
+        table's rows cut as one put's are (:meth:`_one_put_table`), then put into claim order
+        by runs, in one copy.
+
+        Why not the cached tables' rows cut, joined and their keys resolved one by one: parsing
+        and grouping a key per value in Python made a claim spanning two puts several times as
+        costly as one within a put."""
+        parts: list[pa.Table] = []
+        # (part, row in it) of each claim position
+        where: list[tuple[int, int]] = [(0, 0)] * len(deliveries)
+        for k, (table, indices, positions) in enumerate(sources.values()):
+            counts = [deliveries[p] for p in positions]
+            delivery_count = _first_deliveries(len(counts)) if counts.count(1) == len(counts) \
+                else pa.array(counts, pa.int32())
+            parts.append(self._one_put_table(live, table, RowCut(indices), delivery_count))
+            for j, p in enumerate(positions):
+                where[p] = (k, j)
+        pieces: list[pa.Table] = []
+        start = 0
+        for p in range(1, len(where) + 1):
+            if p == len(where) or where[p] != (where[p - 1][0], where[p - 1][1] + 1):
+                k, j = where[start]
+                pieces.append(parts[k].slice(j, p - start))
+                start = p
+        return pa.concat_tables(pieces).combine_chunks()
 
     def _read_values(self, live: LiveTable, claimed: list[Row]) -> Payloads:
         """Values of claimed rows that have none cached, read from DuckDB with those of the next
@@ -386,15 +395,6 @@ _ONES = pa.array(np.ones(1024, np.int32))
 def _first_deliveries(n: int) -> pa.Array:
     """A delivery_count column of ``n`` ones (a claim's rows are usually first deliveries)."""
     return _ONES.slice(0, n) if n <= len(_ONES) else pa.array(np.ones(n, np.int32))
-
-
-def _inverse(order: list[int]) -> list[int]:
-    """The permutation that puts rows listed in ``order`` (their claim positions) back into
-    claim order."""
-    inverse = [0] * len(order)
-    for i, position in enumerate(order):
-        inverse[position] = i
-    return inverse
 
 
 def _fills(prefix: list[Row], matched: set[int], limit: int, group_size: int | None) -> bool:

@@ -233,3 +233,37 @@ def test_puts_held_inline_and_by_reference_each_claim_their_own_values(open_stor
                         for i in range(40)]
         s.put("t", data)
         assert _claim_all(s, limit=16) == _by_id(data)
+
+
+@pytest.mark.parametrize("options", [{}, {"blob_recent_bytes": 0}, {"cache_limit": 1}],
+                         ids=["chunks-held", "chunks-on-disk", "second-put-from-duckdb"])
+def test_claims_spanning_puts_carry_each_rows_values_and_deliveries(open_store, options):
+    """Claims whose rows come from two puts, their groups interleaved in claim order (each
+    put's rows cut as within one put, then put into claim order): every row comes with its own
+    values, by value and by reference, and its own delivery count, in claim order; whether the
+    puts' blob chunks are held in memory or read from disk, and whether a put's rows are cached
+    or read back from DuckDB."""
+    s = open_store(**options)
+    s.create_table("t", COLUMNS, storage={"note": "ref", "response": "ref"}, lease_seconds=60)
+    both = _rows("q", 2 * BULK)
+    puts = [{c: v[parity::2] for c, v in both.items()} for parity in (0, 1)]
+    for data in puts:
+        s.put("t", data)
+    first = s.claim("t", 7)
+    assert len({sid[1:].split("_")[0] for sid in first.data["sample_id"].to_pylist()}) == 7
+    s.nack(first.claim_id)                     # these come again, delivered twice
+    again = set(first.data["sample_id"].to_pylist())
+    got: dict[str, tuple] = {}
+    order: list[str] = []
+    spanning = 0
+    while claim := s.claim("t", 64):
+        data = claim.data.to_pydict()
+        assert data["delivery_count"] == [2 if sid in again else 1
+                                          for sid in data["sample_id"]]
+        spanning += len({int(sid[1:].split("_")[0]) % 2 for sid in data["sample_id"]}) > 1
+        got.update(_by_id(data))
+        order += data["sample_id"]
+        s.ack(claim.claim_id)
+    assert order == sorted(order, key=_claim_order)
+    assert got == _by_id(both)
+    assert spanning > 2 * BULK // 64 // 2
