@@ -68,7 +68,7 @@ def is_claim_ticket(doc: Any) -> bool:
 
 def claim_ticket(doc: dict[str, Any]) -> ClaimTicket:
     """A claim ticket's document, checked: ``{"claim": {…}}`` and nothing else."""
-    if set(doc) != {"claim"}:
+    if len(doc) != 1 or "claim" not in doc:
         raise InvalidArgument(f"a claim ticket is {{\"claim\": {{…}}}} alone; it has "
                               f"unknown fields {sorted(set(doc) - {'claim'})}")
     body = doc["claim"]

@@ -121,6 +121,9 @@ CASES: dict[str, ServerCase] = {
     "malformed JSON ticket": (
         lambda c: _ticket(c, b"SELECT 1"),
         flight.FlightServerError, "invalid_argument", "not valid JSON"),
+    "truncated JSON object ticket": (
+        lambda c: _ticket(c, b'{"claim": {"table": '),
+        flight.FlightServerError, "invalid_argument", "not valid JSON"),
     "malformed subscribe command": (
         lambda c: _subscribe(c, b"{subscribe"),
         flight.FlightServerError, "invalid_argument", "not valid JSON"),

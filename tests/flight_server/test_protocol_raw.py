@@ -283,3 +283,10 @@ def test_subscription_answers_an_ack_before_the_bump_sent_after_it(client):
         writer.write_metadata(pa.py_buffer(b'{"type": "close"}'))
         writer.done_writing()
     assert order == [[("acked", 2 * i), ("bumped", 2 * i + 1)] for i in range(rounds)]
+
+
+def test_a_json_ticket_is_read_whatever_whitespace_leads_it(client):
+    """Tickets starting with "{" are taken as ours without asking Flight SQL; JSON led by
+    whitespace is still read, after Flight SQL finds it is not one of its tickets."""
+    for raw in (b'{"sql": "SELECT 41 + 1 AS x"}', b' \n {"sql": "SELECT 41 + 1 AS x"}'):
+        assert client.do_get(flight.Ticket(raw)).read_all().column("x").to_pylist() == [42]
