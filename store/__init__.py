@@ -26,6 +26,7 @@ def connect(uri: str, **options: Any) -> Store:
     if not isinstance(uri, str) or not uri:
         raise InvalidArgument(f"store uri {uri!r} is not a path or grpc:// address")
     if uri.startswith(REMOTE_SCHEMES):
+        _check_address(uri)
         # a cluster's coordinator answers with a ClusterStore (flight_server/cluster/client.py)
         from flight_server.cluster.client import connect_remote
         return connect_remote(uri, **options)
@@ -34,6 +35,22 @@ def connect(uri: str, **options: Any) -> Store:
                               f"one of {', '.join(REMOTE_SCHEMES)}")
     from .embedded import EmbeddedStore
     return EmbeddedStore(uri, **options)
+
+
+def _check_address(uri: str) -> None:
+    """Refuse a server address without a host or a port at once: gRPC would try port 443 or
+    an empty host name for its whole connect timeout, then fail with its own words."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(uri)
+        host, port = parts.hostname, parts.port
+    except ValueError as e:  # a port that is no number, or out of range
+        raise InvalidArgument(f"store uri {uri!r} is not grpc://HOST:PORT ({e}); e.g. "
+                              "grpc://127.0.0.1:8815") from None
+    if not host or port is None:
+        raise InvalidArgument(f"store uri {uri!r} names no {'port' if host else 'host'}; "
+                              "expected grpc://HOST:PORT, e.g. grpc://127.0.0.1:8815")
 
 
 __all__ = ["connect", "Store", "Claim", "ClaimRequest", "ExpstoreError", "SampleId", "format_sample_id",
