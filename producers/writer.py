@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import store as store_pkg
 from store.errors import ExpstoreError, InvalidArgument, StaleVersion, StoreClosed, Unavailable
+from store.naming import parse_sample_id
 
 log = logging.getLogger("expstore.producer")
 
@@ -123,16 +124,21 @@ class ExperienceWriter:
         """Buffer one sample (a dict) or several; parts of one sample merge in order.
 
         Raises:
+            InvalidArgument: a row that is no dict, or has no valid ``sample_id`` (refused here,
+                with none of the rows of this call buffered, rather than failing a later put
+                together with the good samples sent in it).
+            StoreClosed: the writer is closed.
             the first error the background sender hit (it is not retried again), or
             TimeoutError when the buffer stayed full for ``write_timeout`` seconds.
         """
-        batch = [rows] if isinstance(rows, Mapping) else list(rows)
+        batch = _checked_rows(rows)
         deadline = None if self.write_timeout is None else time.monotonic() + self.write_timeout
         with self._cond:
+            if self._closed:
+                raise StoreClosed(f"the writer of {self.table!r} is closed; its samples were "
+                                  "sent when it closed, and it takes no more")
             for row in batch:
                 self._raise_if_failed()
-                if "sample_id" not in row:
-                    raise InvalidArgument(f"row {dict(row)!r} has no 'sample_id'")
                 while len(self._buffer) >= self.max_buffer_rows:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
@@ -385,6 +391,26 @@ class ExperienceWriter:
                         callback(version, uri)
                     except Exception:  # noqa: BLE001 - a producer's callback must not kill us
                         log.exception("on_bump callback failed")
+
+
+def _checked_rows(rows: Any) -> list[Mapping[str, Any]]:
+    """``write``'s argument as a list of rows, each a mapping with a valid sample id."""
+    if isinstance(rows, Mapping):
+        batch = [rows]
+    elif isinstance(rows, (str, bytes)) or not isinstance(rows, Iterable):
+        raise InvalidArgument(f"write takes a sample (a dict of column values) or a list of "
+                              f"them; got {type(rows).__name__} {repr(rows)[:200]}")
+    else:
+        batch = list(rows)
+    for row in batch:
+        if not isinstance(row, Mapping):
+            raise InvalidArgument(f"a sample to write is {type(row).__name__} "
+                                  f"{repr(row)[:200]}; expected a dict of column values with a "
+                                  "'sample_id'")
+        if "sample_id" not in row:
+            raise InvalidArgument(f"row {dict(row)!r} has no 'sample_id'")
+        parse_sample_id(row["sample_id"])
+    return batch
 
 
 def _without_superseded(rows: list[dict[str, Any]],

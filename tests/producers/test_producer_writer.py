@@ -90,3 +90,30 @@ def test_write_without_sample_id_is_refused(s):
     with ExperienceWriter(s, "agent", track_version=False) as w:
         with pytest.raises(store.InvalidArgument, match="sample_id"):
             w.write({"prompt": "p"})
+
+
+@pytest.mark.parametrize("bad, named", [
+    ("hello", "got str 'hello'"),
+    (42, "got int 42"),
+    ([{"sample_id": "q1_0_0"}, "row"], "a sample to write is str 'row'"),
+    ({"sample_id": "bad", "reward": 1.0}, "sample_id 'bad' is malformed"),
+    ([{"sample_id": "q1_0_0"}, {"sample_id": "q1_00_0"}], "leading zero"),
+])
+def test_a_bad_sample_is_refused_at_its_write_and_the_good_ones_are_stored(s, bad, named):
+    """Before, a malformed sample id was buffered and failed the put that carried it, good
+    samples written before it with it; a str or int failed with a bare ValueError/TypeError."""
+    with ExperienceWriter(s, "agent", track_version=False) as w:
+        w.write([{"sample_id": f"g{i}_0_0", "prompt": "p", "reward": 1.0} for i in range(5)])
+        with pytest.raises(store.InvalidArgument) as raised:
+            w.write(bad)
+        assert named in str(raised.value)
+        w.write({"sample_id": "h_0_0", "prompt": "p", "reward": 2.0})
+    stored = s.query("SELECT sample_id FROM agent ORDER BY 1").column(0).to_pylist()
+    assert stored == [f"g{i}_0_0" for i in range(5)] + ["h_0_0"]  # none of the bad call's rows
+
+
+def test_a_write_after_close_is_refused_not_dropped(s):
+    w = ExperienceWriter(s, "agent", track_version=False)
+    w.close()
+    with pytest.raises(store.StoreClosed, match="'agent' is closed"):
+        w.write({"sample_id": "late_0_0", "prompt": "p", "reward": 1.0})
