@@ -15,7 +15,7 @@ import click
 import pyarrow as pa
 
 from store.cache import parse_size
-from store.errors import ExpstoreError, InvalidArgument
+from store.errors import ExpstoreError, InvalidArgument, Unauthenticated
 
 DEFAULT_DB = "./expstore.duckdb"
 DEFAULT_PORT = 8815
@@ -39,6 +39,9 @@ class ExpstoreGroup(click.Group):
 def click_errors() -> Iterator[None]:
     try:
         yield
+    except Unauthenticated as e:
+        raise click.ClickException(f"{e}; give a token of the server's --tokens-file with "
+                                   "--token or EXPSTORE_TOKEN") from e
     except ExpstoreError as e:
         raise click.ClickException(str(e)) from e
     except BrokenPipeError:

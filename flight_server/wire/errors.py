@@ -64,7 +64,8 @@ def from_flight(error: BaseException) -> BaseException:
     if code in E.ERROR_CLASSES:
         return E.ERROR_CLASSES[code](message)
     if isinstance(error, flight.FlightUnauthenticatedError):
-        return E.Unauthenticated(message)
+        # sent without extra_info (see docs/protocol.md), so its code is known by its type
+        return E.Unauthenticated(message.removeprefix("[unauthenticated] "))
     if isinstance(error, flight.FlightUnauthorizedError):
         return E.PermissionDenied(message)
     if isinstance(error, flight.FlightUnavailableError):

@@ -578,3 +578,14 @@ def test_output_cut_short_by_its_reader_ends_quietly(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert err == "", err
+
+
+def test_a_server_with_auth_says_which_option_gives_the_token(tmp_path):
+    from flight_fixtures import TOKENS, running_server, write_tokens
+    tokens = write_tokens(tmp_path / "tokens.json")
+    with running_server(tmp_path / "a.duckdb", tokens_file=tokens) as server:
+        for extra in ([], ["--token", "not-a-valid-token"]):
+            result = fails(invoke("tables", "--uri", server.location, *extra), 1,
+                           "--token or EXPSTORE_TOKEN")
+            assert "[unauthenticated]" not in result.output
+        ok(invoke("tables", "--uri", server.location, "--token", TOKENS["reader"]))

@@ -209,8 +209,9 @@ def test_remote_store_with_tokens(auth_server):
         with pytest.raises(E.PermissionDenied, match="'writer'"):
             reader.put(TABLE, pa.table({"sample_id": ["r_0_0"], "reward": [1.0]}))
     with store.connect(uri, token=WRONG_TOKEN) as stranger:
-        with pytest.raises(E.Unauthenticated):
+        with pytest.raises(E.Unauthenticated) as raised:
             stranger.list_tables()
+        assert str(raised.value) == "the bearer token is not valid"  # no wire prefix
 
 
 # -- TLS -------------------------------------------------------------------------------------------
