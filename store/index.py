@@ -134,6 +134,9 @@ class StoreIndex:
             self.versions.pop(group, None)
             self.weights.pop(group, None)
             self.barrier_timeouts.pop(group, None)
+            # A round of the group's last table, finished or not, ends with it: a table made
+            # again under the name starts at version 0, where that round would hold it.
+            self.barriers.pop(group, None)
         # (A barrier round waiting for this table is woken by the writer's notify and
         # waits for one member fewer.)
         for cid, lease in list(self.claims.items()):

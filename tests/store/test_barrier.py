@@ -348,3 +348,19 @@ def _outcome(call: Any) -> Any:
         return call()
     except BaseException as e:  # noqa: BLE001 - the test looks at what it was
         return e
+
+
+def test_a_table_dropped_and_made_again_bumps_from_version_0(any_store):
+    """The finished round of the dropped table's group was kept, at expected version 0 and
+    'bumping', so the new table's first bump (its version back at 0) waited on it forever."""
+    s = any_store
+    for expected_version in (1, 1):
+        s.drop_table("t", if_exists=True)
+        s.create_table("t", {"reward": "float64"})
+        s.put("t", [{"sample_id": f"q{i}_0_0", "reward": 1.0} for i in range(2)])
+        sub = s.subscribe("t", 2, 2, idle_timeout=5)
+        next(iter(sub)).ack()
+        answer: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: answer.put(sub.bump_version()), daemon=True).start()
+        assert answer.get(timeout=15) == expected_version
+        sub.close()
