@@ -49,6 +49,7 @@ class RemoteSubscription:
     def __init__(self, remote: Any, table: str | list[str], micro_batch_size: int,
                  global_batch_size: int, *, idle_timeout: float | None = None,
                  **options: Any) -> None:
+        self._remote = remote
         self.tables = [table] if isinstance(table, str) else list(table)
         self.table = self.tables[0] if self.tables else ""
         self.micro_batch_size = micro_batch_size
@@ -178,8 +179,8 @@ class RemoteSubscription:
             error = reply_error(reply)
             if error is not None:
                 result.set_exception(error)
-            else:
-                result.set_result(reply)
+            else:  # the answer as the store's methods give it, without the stream's fields
+                result.set_result({k: v for k, v in reply.items() if k not in ("type", "request")})
 
         answer.add_done_callback(unwrap)
         message = msg._replace(request=request)
@@ -241,6 +242,19 @@ class RemoteSubscription:
         return item
 
     def _settle(self, batch: RemoteMicroBatch, kind: str, wait: bool = True) -> Any:
+        if self._closed or batch.claim_id not in self._unsettled:
+            # Settled already (or nacked when the subscription closed): the stream no longer
+            # knows it, the store answers as for any claim, as an embedded subscription's does
+            # (a second ack is a duplicate; a nack after an ack, lease_expired).
+            settle = self._remote.ack if kind == "ack" else self._remote.nack
+            if wait:
+                return settle(batch.claim_id)
+            done: Future = Future()
+            try:
+                done.set_result(settle(batch.claim_id))
+            except ExpstoreError as e:
+                done.set_exception(e)
+            return done
         answer = self._send(ClientMessage(kind, claim_id=batch.claim_id))
         # The server frees the slot when it handles the message, before any later message.
         self._unsettled.discard(batch.claim_id)

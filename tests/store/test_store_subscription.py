@@ -184,3 +184,25 @@ def test_a_predicate_naming_an_unknown_column_fails_the_subscription_before_any_
     batch = next(iter(sub))
     batch.ack()
     sub.close()
+
+
+def test_settling_a_micro_batch_again_answers_as_the_store_does(any_store):
+    """A second ack is a duplicate, a nack after an ack and an ack after close are
+    lease_expired, embedded and remote alike (a remote subscription refused them as 'not in
+    flight on this subscription'); answers carry no stream fields."""
+    from store.errors import LeaseExpired
+    s = any_store
+    s.create_table("t", {"reward": "float64"})
+    s.put("t", [{"sample_id": f"q{i}_0_0", "reward": 1.0} for i in range(4)])
+    sub = s.subscribe("t", 2, 4, idle_timeout=5)
+    batches = iter(sub)
+    first = next(batches)
+    assert first.ack() == {"claim_id": first.claim_id, "acked": 2}
+    assert first.ack() == {"claim_id": first.claim_id, "acked": 2, "duplicate": True}
+    assert first.ack(wait=False).result(timeout=30)["duplicate"] is True
+    with pytest.raises(LeaseExpired, match="already acked"):
+        first.nack()
+    second = next(batches)
+    sub.close()  # nacks what was in flight
+    with pytest.raises(LeaseExpired, match="nacked"):
+        second.ack()
