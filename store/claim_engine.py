@@ -392,9 +392,18 @@ class PutLayout(NamedTuple):
 _ONES = pa.array(np.ones(1024, np.int32))
 
 
+#: ``_ONES``' first n, by n, made once each.
+_ONES_BY_LENGTH: dict[int, pa.Array] = {}
+
+
 def _first_deliveries(n: int) -> pa.Array:
     """A delivery_count column of ``n`` ones (a claim's rows are usually first deliveries)."""
-    return _ONES.slice(0, n) if n <= len(_ONES) else pa.array(np.ones(n, np.int32))
+    ones = _ONES_BY_LENGTH.get(n)
+    if ones is None:
+        if n > len(_ONES):
+            return pa.array(np.ones(n, np.int32))
+        ones = _ONES_BY_LENGTH[n] = _ONES.slice(0, n)
+    return ones
 
 
 def _fills(prefix: list[Row], matched: set[int], limit: int, group_size: int | None) -> bool:
