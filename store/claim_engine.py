@@ -60,6 +60,18 @@ class ClaimEngine:
 
         Either every request gets at least its ``min_rows`` or nothing is leased.
         """
+        return self.claim_checked(self.check(requests, consumer, lease_seconds), lease_seconds)
+
+    def check(self, requests: list[ClaimRequest], consumer: str | None,
+              lease_seconds: float | None) -> "CheckedClaim":
+        """What :meth:`claim_many` refuses before it leases anything, checked: the requests
+        validated, the claim's owner and the live tables named (a caller that must not act on a
+        bad claim, such as an ack carried with it, checks first).
+
+        Raises:
+            InvalidArgument: a request, the consumer or ``lease_seconds`` is malformed.
+            NotFound: a table does not exist.
+        """
         if not requests:
             raise InvalidArgument("claim_many needs at least one claim request")
         requests = [r.validated() for r in requests]
@@ -70,7 +82,11 @@ class ClaimEngine:
                                   "per table")
         check_lease_seconds(lease_seconds)
         owner = check_consumer(consumer)
-        lives = [self._index.live_table(r.table) for r in requests]
+        return CheckedClaim(requests, owner, [self._index.live_table(r.table) for r in requests])
+
+    def claim_checked(self, checked: "CheckedClaim", lease_seconds: float | None) -> Claim:
+        """:meth:`claim_many` of requests :meth:`check` passed."""
+        requests, owner, lives = checked
         accepted: list[set[int] | None] = []
         for req, live in zip(requests, lives):
             accepted.append(None if req.where is None else self._accepted(req, live))
@@ -341,6 +357,15 @@ class ClaimEngine:
         if keys.null_count == 0:     # every value by reference: nothing to merge (if_else copies)
             return values
         return pc.if_else(pc.is_valid(keys), values, inline)
+
+
+class CheckedClaim(NamedTuple):
+    """A claim's requests as :meth:`ClaimEngine.check` passed them, with its owner and the live
+    table of each request."""
+
+    requests: list[ClaimRequest]
+    owner: str
+    lives: list[LiveTable]
 
 
 class PutLayout(NamedTuple):

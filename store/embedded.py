@@ -293,12 +293,16 @@ class EmbeddedStore:
         claim's work overlaps the ack's fsync and the pair costs one round trip. The claim
         must not be used before the Future resolves: if the ack's commit fails, the new claim's
         rows are given back (no delivery counted) and the Future raises what ack would, the
-        acked claim staying leased as after a failed ack. An unknown or ended claim ``ack``
-        raises here and nothing is claimed; a claim that fails after the ack started leaves
-        the ack to finish (acking again answers ``duplicate``).
+        acked claim staying leased as after a failed ack. A malformed new claim (or one naming
+        an unknown table) raises here and nothing is acked; an unknown or ended claim ``ack``
+        raises here and nothing is claimed; a claim that fails after the ack started (its
+        predicate, reading its values) leaves the ack to finish (acking again answers
+        ``duplicate``).
         """
+        # the new claim checked first: a malformed one is refused without acking anything
+        checked = self._claims.check(claim_requests(requests), consumer, lease_seconds)
         settled = self.ack_async(ack)
-        claim = self.claim_many(requests, consumer=consumer, lease_seconds=lease_seconds)
+        claim = self._claims.claim_checked(checked, lease_seconds)
         answer: Future = Future()
 
         def done(f: Future) -> None:

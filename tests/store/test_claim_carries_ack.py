@@ -80,6 +80,25 @@ def test_a_refused_ack_leases_nothing(any_store):
     assert stats["processing"] == 0 and stats["consumed"] == 4
 
 
+
+@pytest.mark.parametrize("bad", [
+    {"limit": 0}, {"table": "nope"}, {"group_size": 3}, {"lease_seconds": -1.0},
+    {"consumer": 7}])
+def test_a_refused_claim_acks_nothing(any_store, bad):
+    """A claim the store refuses (a bad limit, an unknown table, a group size without its
+    column, bad lease seconds or consumer) leaves the ack it carried undone: the caller sees
+    the error, and the micro-batch it meant to settle is still theirs to ack."""
+    s = any_store
+    _fill(s, "t", 16)
+    held = s.claim("t", 4, consumer="trainer")
+    args = {"table": "t", "limit": 4, "consumer": "trainer", **bad}
+    with pytest.raises(ExpstoreError):
+        s.claim(args.pop("table"), args.pop("limit"), ack=held.claim_id, **args)
+    stats = s.stats("t")["t"]
+    assert (stats["processing"], stats["consumed"]) == (4, 0)
+    assert s.ack(held.claim_id).get("duplicate") is not True
+    assert s.stats("t")["t"]["consumed"] == 4
+
 def test_a_failed_ack_commit_gives_the_new_claims_rows_back(tmp_path, monkeypatch):
     s = store.connect(str(tmp_path / "x.duckdb"))
     _fill(s, "t", 16)
