@@ -589,3 +589,13 @@ def test_a_server_with_auth_says_which_option_gives_the_token(tmp_path):
                            "--token or EXPSTORE_TOKEN")
             assert "[unauthenticated]" not in result.output
         ok(invoke("tables", "--uri", server.location, "--token", TOKENS["reader"]))
+
+
+@pytest.mark.parametrize("args, named", [
+    (["a:int999"], "int999"), (["a:string", "--storage", "a=bogus"], "bogus"),
+    (["a:string", "--required", "b"], "'b'"), (["a:int64", "--version-group", "1x"], "'1x'"),
+])
+def test_a_refused_table_definition_leaves_no_database_file(tmp_path, args, named):
+    db = tmp_path / "new.duckdb"
+    fails(invoke("create-table", "t", *args, "--db", str(db)), 1, named)
+    assert list(tmp_path.iterdir()) == []
