@@ -18,7 +18,7 @@ import pyarrow.flight as flight
 from store.claims import Claim, ClaimRequest, claim_requests
 from store.sqlguard import check_query_options, check_sql_text
 from store.errors import ExpstoreError, InvalidArgument, StoreClosed, Unavailable
-from store.prepare import to_arrow_table
+from store.prepare import NO_ROWS, to_arrow_table
 from store.schema import TableDef, check_columns
 
 from . import wire
@@ -251,7 +251,7 @@ class RemoteStore:
             finally:
                 writer.close()
         if not answers:
-            raise InvalidArgument("the write held no rows")
+            raise InvalidArgument(NO_ROWS)
         return answers
 
     # -- claims --------------------------------------------------------------------------------

@@ -64,12 +64,23 @@ class PreparedPut:
                 tuple(self.chunks))
 
 
+#: The refusal of an empty write, by either store.
+NO_ROWS = "the write holds no rows; a put needs at least one sample"
+
+
 def to_arrow_table(tdef: TableDef, data: Any) -> pa.Table:
-    """Accept a RecordBatch, Table, dict of columns or list of row dicts."""
+    """Accept a RecordBatch, Table, dict of columns or list of row dicts, or a data frame
+    (pandas, polars, …: anything with the Arrow PyCapsule stream interface)."""
     if isinstance(data, pa.RecordBatch):
         return pa.Table.from_batches([data])
     if isinstance(data, pa.Table):
         return data
+    if hasattr(data, "__arrow_c_stream__") and not isinstance(data, Mapping):
+        try:
+            return pa.table(data)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
+            raise SchemaMismatch(f"the {type(data).__name__} to write does not convert to "
+                                 f"Arrow: {e}; expected columns of one type each") from e
     if isinstance(data, Mapping):
         for name, values in data.items():
             if isinstance(values, (str, bytes, bytearray, Mapping)) \
@@ -85,6 +96,8 @@ def to_arrow_table(tdef: TableDef, data: Any) -> pa.Table:
                                   f"{lengths}; expected one value per row in every column")
         return pa.table(arrays)
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        if not data:
+            raise InvalidArgument(NO_ROWS)
         if not all(isinstance(r, Mapping) for r in data):
             raise InvalidArgument("rows must be mappings of column name to value")
         names: list[str] = []
@@ -93,7 +106,8 @@ def to_arrow_table(tdef: TableDef, data: Any) -> pa.Table:
         cols = {n: [r.get(n) for r in data] for n in names}
         return pa.table(_columns_to_arrays(tdef, cols))
     raise InvalidArgument(f"cannot write {type(data).__name__}; expected a pyarrow Table or "
-                          "RecordBatch, a dict of columns or a list of row dicts")
+                          "RecordBatch, a dict of columns, a list of row dicts or a data frame "
+                          "(pandas, polars)")
 
 
 def _columns_to_arrays(tdef: TableDef, cols: Mapping[str, Any]) -> dict[str, pa.Array]:
@@ -165,7 +179,7 @@ def check_columns(tdef: TableDef, table: pa.Table) -> list[str]:
         if n not in WRITABLE_META and not tdef.has_column(n) and n not in status_of:
             _unknown_column(tdef, n)
     if table.num_rows == 0:
-        raise InvalidArgument("the batch has no rows")
+        raise InvalidArgument(NO_ROWS)
     return names
 
 

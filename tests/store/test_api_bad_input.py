@@ -57,3 +57,26 @@ def test_a_mistake_is_a_store_error_naming_the_value(any_store, case):
     assert _stored(any_store) == before
     assert any_store.list_tables() == ["t"]
     assert any_store.stats("t")["t"]["ready"] == len(ROWS)
+
+
+def test_data_frames_are_written_as_their_arrow_tables(any_store):
+    pd = pytest.importorskip("pandas")
+    any_store.create_table("t", {"prompt": "string", "reward": "float64"})
+    frame = pd.DataFrame({"sample_id": ["q0_0_0", "q1_0_0"], "prompt": ["a", "b"],
+                          "reward": [0.5, None]})
+    assert any_store.put("t", frame)["rows"] == 2
+    assert _stored(any_store) == [
+        {"sample_id": "q0_0_0", "prompt": "a", "reward": 0.5, "policy_version": 0},
+        {"sample_id": "q1_0_0", "prompt": "b", "reward": None, "policy_version": 0}]
+    mixed = pd.DataFrame({"sample_id": ["q2_0_0", "q3_0_0"], "prompt": ["a", 7]})
+    with pytest.raises(InvalidArgument, match="DataFrame to write does not convert"):
+        any_store.put("t", mixed)
+    assert len(_stored(any_store)) == 2
+
+
+@pytest.mark.parametrize("empty", [[], {"sample_id": [], "prompt": []}],
+                         ids=["empty list", "empty columns"])
+def test_an_empty_write_says_so_on_both_backends(any_store, empty):
+    any_store.create_table("t", {"prompt": "string", "reward": "float64"})
+    with pytest.raises(InvalidArgument, match="the write holds no rows"):
+        any_store.put("t", empty)
