@@ -14,7 +14,6 @@ chunks of its record batches.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -24,7 +23,7 @@ import pyarrow.parquet as pq
 from store.errors import InvalidArgument
 from store.naming import quote
 
-from .output import json_default
+from .output import dumps
 
 FORMATS = ("parquet", "jsonl")
 CHUNK_ROWS = 10_000
@@ -143,7 +142,7 @@ def _write(chunks: Iterator[pa.Table], path: str, fmt: str,
     with open(path, "w", encoding="utf-8") as f:
         for chunk in chunks:
             for record in chunk.to_pylist():
-                f.write(json.dumps(record, default=json_default, ensure_ascii=False))
+                f.write(dumps(record, indent=None))
                 f.write("\n")
             rows += chunk.num_rows
             if advance is not None:

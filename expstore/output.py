@@ -32,7 +32,25 @@ def json_default(value: Any) -> Any:
 
 
 def dumps(value: Any, *, indent: int | None = 2) -> str:
-    return json.dumps(value, default=json_default, indent=indent, ensure_ascii=False)
+    """``value`` as JSON that any parser reads (``jq``, JavaScript): a NaN or an infinity,
+    which JSON has no number for, is written as the string ``"NaN"``, ``"Infinity"`` or
+    ``"-Infinity"`` (as protobuf's JSON mapping does), not as Python's bare ``NaN``."""
+    try:
+        return json.dumps(value, default=json_default, indent=indent, ensure_ascii=False,
+                          allow_nan=False)
+    except ValueError:  # rare: look for the non-finite numbers only then
+        return json.dumps(_finite(value), default=json_default, indent=indent,
+                          ensure_ascii=False, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def echo_json(value: Any) -> None:

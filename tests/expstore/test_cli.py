@@ -599,3 +599,21 @@ def test_a_refused_table_definition_leaves_no_database_file(tmp_path, args, name
     db = tmp_path / "new.duckdb"
     fails(invoke("create-table", "t", *args, "--db", str(db)), 1, named)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_json_output_is_json_that_any_parser_reads(backend, tmp_path):
+    """NaN and infinities have no JSON number: Python's bare NaN broke `jq` and JavaScript."""
+    with backend.open() as s:
+        s.create_table("t", {"reward": "float64", "logprobs": "list<float64>"})
+        s.put("t", [{"sample_id": "q0_0_0", "reward": float("nan"),
+                     "logprobs": [float("-inf"), 0.5]},
+                    {"sample_id": "q1_0_0", "reward": float("inf"), "logprobs": [1.0]}])
+    strict = {"parse_constant": lambda name: pytest.fail(f"{name} is not JSON")}
+    out = json.loads(ok(backend.run("query", "SELECT sample_id, reward, logprobs FROM t "
+                                    "ORDER BY 1", "--json")).stdout, **strict)
+    assert out == [{"sample_id": "q0_0_0", "reward": "NaN", "logprobs": ["-Infinity", 0.5]},
+                   {"sample_id": "q1_0_0", "reward": "Infinity", "logprobs": [1.0]}]
+    target = tmp_path / "t.jsonl"
+    ok(backend.run("export", "t", "-o", str(target)))
+    rows = [json.loads(line, **strict) for line in target.read_text().splitlines()]
+    assert [r["reward"] for r in rows] == ["NaN", "Infinity"]
