@@ -17,8 +17,8 @@ import pyarrow.flight as flight
 
 from store.claims import Claim, ClaimRequest, claim_requests
 from store.sqlguard import check_query_options, check_sql_text
-from store.errors import ExpstoreError, InvalidArgument, StoreClosed, Unavailable
-from store.prepare import NO_ROWS, to_arrow_table
+from store.errors import ExpstoreError, InvalidArgument, QueryTimeout, StoreClosed, Unavailable
+from store.prepare import NO_ROWS, put_timeout, to_arrow_table
 from store.schema import TableDef, check_columns
 
 from . import wire
@@ -179,6 +179,12 @@ class RemoteStore:
     # -- writes --------------------------------------------------------------------------------
     def put(self, table: str, data: Any, *, timeout: float | None = -1.0) -> dict[str, Any]:
         """Upsert rows; returns once the server answered that they are durable."""
+        try:
+            return self._put(table, data, timeout)
+        except (TimeoutError, QueryTimeout):  # a put runs no query: the caller's time ran out
+            raise put_timeout(table, self._timeout if timeout == -1.0 else timeout) from None
+
+    def _put(self, table: str, data: Any, timeout: float | None) -> dict[str, Any]:
         arrow = self._arrow(table, data)
         channel = self._channel() if self._on_session(arrow) else None
         if channel is not None and channel.carries_puts is not False:

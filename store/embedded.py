@@ -37,7 +37,7 @@ from .live import Lease, LiveTable
 from .naming import check_identifier, quote
 from .opening import check_memory_limit, connect_duckdb, ensure_catalog, run_checkpoint
 from .ops import BumpOp, CallOp, PutOp, ReadOp, SettleOp, SmallPutOp
-from .prepare import SMALL_ROWS, check_columns, put_versions, to_arrow_table
+from .prepare import SMALL_ROWS, check_columns, put_timeout, put_versions, to_arrow_table
 from .putlog import PutLog, log_path, replay
 from .readers import Readers
 from .recovery import load_state
@@ -223,7 +223,13 @@ class EmbeddedStore:
             SchemaMismatch, InvalidArgument: bad columns, types or sample ids.
             StaleVersion: a policy version outside the staleness bound or in the future.
         """
-        return self.put_async(table, data).result(timeout)
+        future = self.put_async(table, data)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            if future.done():
+                raise  # the put's own error
+            raise put_timeout(table, timeout) from None
 
     def put_async(self, table: str, data: Any) -> Future:
         """Check a write and queue it; the Future resolves once it is durable.

@@ -68,6 +68,13 @@ class PreparedPut:
 NO_ROWS = "the write holds no rows; a put needs at least one sample"
 
 
+def put_timeout(table: str, timeout: float | None) -> TimeoutError:
+    """The error of a put not answered within the caller's ``timeout``, by either store."""
+    return TimeoutError(f"the put to {table!r} was not answered as durable within {timeout} s; "
+                        "it may still be applied (writes are idempotent: sending it again is "
+                        "safe)")
+
+
 def to_arrow_table(tdef: TableDef, data: Any) -> pa.Table:
     """Accept a RecordBatch, Table, dict of columns or list of row dicts, or a data frame
     (pandas, polars, …: anything with the Arrow PyCapsule stream interface)."""

@@ -80,3 +80,14 @@ def test_an_empty_write_says_so_on_both_backends(any_store, empty):
     any_store.create_table("t", {"prompt": "string", "reward": "float64"})
     with pytest.raises(InvalidArgument, match="the write holds no rows"):
         any_store.put("t", empty)
+
+
+@pytest.mark.parametrize("rows", [2, 4000], ids=["small", "large"])
+def test_a_put_past_its_timeout_says_what_became_of_it(any_store, rows):
+    """Embedded: a TimeoutError without a message; remote: a QueryTimeout about a 'Deadline'."""
+    any_store.create_table("t", {"prompt": "string", "reward": "float64"})
+    with pytest.raises(TimeoutError) as raised:
+        any_store.put("t", [{"sample_id": f"q{i}_0_0", "prompt": "p" * 100, "reward": 1.0}
+                            for i in range(rows)], timeout=1e-9)
+    assert "the put to 't' was not answered as durable within 1e-09 s" in str(raised.value)
+    assert "sending it again is safe" in str(raised.value)
