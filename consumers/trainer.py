@@ -11,6 +11,16 @@ starts the next global batch. The model is updated once per global batch, never 
 training on micro-batches as they arrive is mathematically one full-batch step
 (``tests/system/test_consistency.py`` checks it through the Flight server).
 
+Acks after the step: with ``ack_at_step=True`` the trainer acks a global batch's micro-batches
+only after its optimizer step (and before the bump). A trainer killed in the middle of a global
+batch then gives every one of its rows back (a ``grpc://`` subscription's leases are released when
+its stream ends; others come back when they expire), and they are delivered again to the
+trainer that takes over; by default its micro-batches acked before the crash are
+consumed, although their gradients died with it and no step used them. The price: the
+subscription holds a whole global batch's leases, so its ``max_in_flight`` must be at least the
+micro-batches per global batch (:meth:`TorchTrainer.run` refuses a smaller one), and its
+``lease_seconds`` longer than a global batch takes.
+
 The same loop with a DeepSpeed engine is :class:`consumers.deepspeed_loop.DeepSpeedTrainLoop`.
 
 Example (embedded store; a remote ``grpc://`` store's subscription works the same):
@@ -105,6 +115,8 @@ class TorchTrainer:
         max_grad_norm: clip the *global* gradient's norm before the step (None: no clipping).
         keep_last: prune older published files, keeping this many (None keeps all).
         device: where batches go (default: the model's device).
+        ack_at_step: ack micro-batches after the optimizer step instead of after their backward
+            (see the module docstring).
 
     Attributes:
         busy: ``(start, end)`` monotonic times of the trainer's compute (one per micro-batch,
@@ -116,7 +128,7 @@ class TorchTrainer:
                  global_count: int | None = None,
                  collate_fn: Callable[[pa.Table], TorchBatch] = collate,
                  max_grad_norm: float | None = None, keep_last: int | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, ack_at_step: bool = False) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -127,7 +139,10 @@ class TorchTrainer:
         self.keep_last = keep_last
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.accumulator = GradientAccumulator(model.parameters(), global_count=global_count)
+        self.ack_at_step = ack_at_step
         self._acks = PendingAcks()
+        #: with ack_at_step: the global batch's micro-batches, acked after its optimizer step
+        self._held: list[Any] = []
         self.step = 0
         self.samples = 0
         self.busy: list[tuple[float, float]] = []
@@ -148,7 +163,10 @@ class TorchTrainer:
         self.accumulator.backward(loss_sum, count, is_last=bool(mb.is_boundary))
         self._global_samples += mb.data.num_rows
         self._record(start)
-        self._acks.send(mb)
+        if self.ack_at_step:
+            self._held.append(mb)
+        else:
+            self._acks.send(mb)
 
     def finish_global_batch(self, sub: Any) -> TrainStep:
         """Optimizer step, publish the weights, bump the version (at the boundary)."""
@@ -163,6 +181,9 @@ class TorchTrainer:
         uri = publish_state_dict(self.model.state_dict(), self.weights_dir, self.step,
                                  name=self.name)
         self._record(start)
+        held, self._held = self._held, []
+        for mb in held:
+            self._acks.send(mb)
         self._acks.settle()
         version = int(sub.bump_version(weights_uri=uri))
         if self.keep_last is not None:
@@ -187,7 +208,15 @@ class TorchTrainer:
         Stops after ``max_steps`` optimizer steps, when ``stop`` is set, or after
         ``idle_timeout`` seconds without a micro-batch. It never asks for a micro-batch past the
         last step it will take (that would claim, and strand, rows of the next global batch).
+        With ``ack_at_step``, the micro-batches of a global batch it stops in stay unacked
+        (closing the subscription gives them back).
+
+        Raises:
+            ValueError: ``ack_at_step`` with a subscription whose ``max_in_flight`` cannot hold a
+                global batch (it would stop at its ``max_in_flight``-th micro-batch).
         """
+        if self.ack_at_step:
+            _check_holds_a_global_batch(sub)
         steps_at_start = self.step
         last = time.monotonic()
         while max_steps is None or self.step - steps_at_start < max_steps:
@@ -202,6 +231,15 @@ class TorchTrainer:
             self.train_micro_batch(mb)
             if mb.is_boundary:
                 yield self.finish_global_batch(sub)
+
+
+def _check_holds_a_global_batch(sub: Any) -> None:
+    per_global = getattr(sub, "global_batch_size", 0) // max(getattr(sub, "micro_batch_size", 1), 1)
+    room = getattr(sub, "max_in_flight", None)
+    if room is not None and per_global and room < per_global:
+        raise ValueError(f"ack_at_step holds a global batch's {per_global} micro-batches "
+                         f"unacked until the step, but the subscription's max_in_flight is "
+                         f"{room}; subscribe with max_in_flight={per_global} (or more)")
 
 
 class TrainerThread(threading.Thread):

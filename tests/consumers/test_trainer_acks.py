@@ -138,3 +138,40 @@ def test_an_ack_left_unanswered_is_unavailable_not_a_bare_timeout():
     acks.send(Silent())
     with pytest.raises(store.Unavailable, match="no answer to an ack within 0.05 s"):
         acks.settle()
+
+
+def test_ack_at_step_refuses_a_subscription_that_cannot_hold_a_global_batch(tmp_path) -> None:
+    """Acks held until the step need a whole global batch in flight: a subscription with a
+    smaller max_in_flight is refused before it claims anything, naming both numbers (it would
+    otherwise stop at its second micro-batch with "2 micro-batches are in flight")."""
+    with store.connect(str(tmp_path / "x.duckdb")) as s:
+        fill(s)
+        model = build_tiny_lm(seed=0)
+        trainer = TorchTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), grpo_loss,
+                               tmp_path / "w", ack_at_step=True)
+        sub = s.subscribe("agent", micro_batch_size=2, global_batch_size=8)
+        with pytest.raises(ValueError, match="4 micro-batches .* max_in_flight is 2"):
+            next(trainer.run(sub, max_steps=1))
+        assert s.stats("agent")["agent"]["ready"] == 8
+        sub.close()
+
+
+def test_ack_at_step_acks_the_global_batch_after_the_step(tmp_path) -> None:
+    """Nothing of a global batch is acked before its optimizer step; all of it is after."""
+    with store.connect(str(tmp_path / "x.duckdb")) as s:
+        fill(s)
+        model = build_tiny_lm(seed=0)
+        consumed_at_loss: list[int] = []
+
+        def loss(m: Any, b: Any) -> Any:
+            consumed_at_loss.append(s.stats("agent")["agent"]["consumed"])
+            return grpo_loss(m, b)
+
+        trainer = TorchTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss,
+                               tmp_path / "w", ack_at_step=True)
+        with s.subscribe("agent", micro_batch_size=2, global_batch_size=8,
+                         max_in_flight=4) as sub:
+            steps = list(trainer.run(sub, max_steps=1))
+        assert [(r.version, r.micro_batches) for r in steps] == [(1, 4)]
+        assert consumed_at_loss == [0, 0, 0, 0]
+        assert s.stats("agent")["agent"]["consumed"] == 8
