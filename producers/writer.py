@@ -13,6 +13,9 @@ finish; a background thread sends them in batches. The writer
   harmless because writes are upserts, and a put retried after later ones were sent leaves out
   the columns of its samples that those later puts wrote, so that an older part never
   overwrites a newer one;
+* stores the good samples of a put that the table refuses in part (a value of the wrong type, an
+  unknown column): the put is sent again one sample at a time, and the refused samples end the
+  writer with a ``SchemaMismatch`` naming the first of them;
 * is version-aware: rows without ``policy_version`` are stamped with the current version, which a
   background long-poll keeps fresh (no polling loop), and ``on_bump`` callbacks fire on a bump
   so that the rollout reloads weights.
@@ -38,7 +41,8 @@ from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import store as store_pkg
-from store.errors import ExpstoreError, InvalidArgument, StaleVersion, StoreClosed, Unavailable
+from store.errors import ExpstoreError, InvalidArgument, SchemaMismatch, StaleVersion, \
+    StoreClosed, Unavailable
 from store.naming import parse_sample_id
 
 log = logging.getLogger("expstore.producer")
@@ -312,8 +316,9 @@ class ExperienceWriter:
         them, those values of the retry would otherwise overwrite newer ones."""
         rows = _without_superseded(put.rows, [later.rows for later in
                                               itertools.islice(self._window, 1, None)])
-        if isinstance(error, StaleVersion):
-            # A bump overtook some samples: keep the rest, hand the stale ones back.
+        if isinstance(error, (StaleVersion, SchemaMismatch)):
+            # A bump overtook some samples (handed back), or some do not fit the table (they
+            # end the writer, named): either way the other samples of the put are stored.
             self._put_rows_singly(rows)
             return
         if not isinstance(error, TRANSIENT) or self.max_retries == 0:
@@ -330,7 +335,7 @@ class ExperienceWriter:
             try:
                 self.store.put(self.table, rows)
                 return
-            except StaleVersion:
+            except (StaleVersion, SchemaMismatch):
                 self._put_rows_singly(rows)
                 return
             except TRANSIENT as e:
@@ -340,9 +345,14 @@ class ExperienceWriter:
                             attempt + 1, delay)
 
     def _put_rows_singly(self, rows: list[dict[str, Any]]) -> None:
+        """Put ``rows`` one by one: stale ones are handed back; refused ones (values that do
+        not fit the table) raise SchemaMismatch naming them, after every other row is stored."""
+        refused: list[tuple[Any, SchemaMismatch]] = []
         for row in rows:
             try:
                 self._put_with_retries_one(row)
+            except SchemaMismatch as e:
+                refused.append((row.get("sample_id"), e))
             except StaleVersion as e:
                 with self._cond:
                     self.stale_rows.append(row)
@@ -352,6 +362,12 @@ class ExperienceWriter:
                     except Exception:  # noqa: BLE001 - a producer's callback must not kill us
                         log.exception("on_stale callback failed")
                 log.info("dropped stale sample %r: %s", row.get("sample_id"), e)
+        if refused:
+            first, error = refused[0]
+            raise SchemaMismatch(
+                f"table {self.table!r} refused {len(refused)} sample(s) of a put, the first "
+                f"{first!r}: {error}; the put's other {len(rows) - len(refused)} samples were "
+                "stored, and the writer sends nothing more") from error
 
     def _put_with_retries_one(self, row: dict[str, Any]) -> None:
         delay = self.backoff

@@ -117,3 +117,17 @@ def test_a_write_after_close_is_refused_not_dropped(s):
     w.close()
     with pytest.raises(store.StoreClosed, match="'agent' is closed"):
         w.write({"sample_id": "late_0_0", "prompt": "p", "reward": 1.0})
+
+
+@pytest.mark.parametrize("bad", [{"reward": "high"}, {"rewrd": 1.0}])
+def test_a_sample_the_table_refuses_is_named_and_its_puts_good_samples_are_stored(s, bad):
+    """Before, one sample whose value does not fit the table (or names no column) failed the
+    whole put: the good samples sent with it were dropped, and the error named no sample."""
+    w = ExperienceWriter(s, "agent", track_version=False, batch_rows=100)
+    w.write([{"sample_id": f"g{i}_0_0", "prompt": "p", "reward": 1.0} for i in range(5)])
+    w.write({"sample_id": "bad_0_0", "prompt": "p", **bad})
+    with pytest.raises(store.SchemaMismatch) as raised:
+        w.close()
+    assert "'bad_0_0'" in str(raised.value) and "other 5 samples were stored" in str(raised.value)
+    stored = s.query("SELECT sample_id FROM agent ORDER BY 1").column(0).to_pylist()
+    assert stored == [f"g{i}_0_0" for i in range(5)]
