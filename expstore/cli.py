@@ -26,6 +26,10 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+# gRPC's C core logs each failed TLS handshake and retry on stderr at its default verbosity;
+# the command's own one-line error says what failed. Set before any channel opens.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import click
 
 from store.cache import DEFAULT_CACHE_LIMIT

@@ -102,7 +102,11 @@ class RemoteStore:
         except (flight.FlightUnauthenticatedError, flight.FlightUnauthorizedError):
             return  # it answered (wait_for_available sends no token): the server is up
         except flight.FlightError as e:
-            raise Unavailable(f"no expstore server answers at {self.uri}: {e}") from None
+            hint = ""
+            if "handshake" in str(e).lower():
+                hint = ("; the TLS handshake failed: the server serves no TLS (use grpc://), or "
+                        "its certificate is not trusted (tls_root_certs, CLI --tls-root-certs)")
+            raise Unavailable(f"no expstore server answers at {self.uri}: {e}{hint}") from None
 
     def _options(self, timeout: float | None = -1.0) -> flight.FlightCallOptions:
         t = self._timeout if timeout == -1.0 else timeout

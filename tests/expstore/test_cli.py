@@ -617,3 +617,17 @@ def test_json_output_is_json_that_any_parser_reads(backend, tmp_path):
     ok(backend.run("export", "t", "-o", str(target)))
     rows = [json.loads(line, **strict) for line in target.read_text().splitlines()]
     assert [r["reward"] for r in rows] == ["NaN", "Infinity"]
+
+
+def test_tls_to_a_server_without_tls_is_one_line_that_says_so(tmp_path):
+    """gRPC logged every failed handshake and retry on stderr, a dozen lines above the error."""
+    from flight_fixtures import running_server
+    with running_server(tmp_path / "plain.duckdb") as server:
+        uri = f"grpc+tls://127.0.0.1:{server.port}"
+        proc = subprocess.run([sys.executable, "-m", "expstore.cli", "tables", "--uri", uri],
+                              capture_output=True, text=True, timeout=120,
+                              env={k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"})
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("Error: no expstore server answers at grpc+tls://"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "serves no TLS (use grpc://)" in proc.stderr
