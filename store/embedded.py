@@ -404,9 +404,9 @@ class EmbeddedStore:
         acked = self._acked_before(claim_id) if ack else 0
         if acked:
             return _done({"claim_id": claim_id, "acked": acked, "duplicate": True})
-        raise NotFound(f"claim {claim_id!r} is unknown: it was never issued, or it was taken "
-                       "before a restart, which voids every lease (its rows are ready to be "
-                       "delivered again)")
+        raise NotFound(f"claim {claim_id!r} is unknown: it was never issued, its table was "
+                       "dropped, or it was taken before a restart, which voids every lease (its "
+                       "rows are ready to be delivered again)")
 
     def _settle_done(self, lease: Lease, done: Future, answer: Future) -> None:
         """Hand the writer's outcome on; a failed commit leaves the claim leased as before."""

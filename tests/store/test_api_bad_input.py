@@ -91,3 +91,13 @@ def test_a_put_past_its_timeout_says_what_became_of_it(any_store, rows):
                             for i in range(rows)], timeout=1e-9)
     assert "the put to 't' was not answered as durable within 1e-09 s" in str(raised.value)
     assert "sending it again is safe" in str(raised.value)
+
+
+def test_settling_a_claim_of_a_dropped_table_names_the_drop(any_store):
+    from store.errors import NotFound
+    any_store.create_table("t", {"prompt": "string", "reward": "float64"})
+    any_store.put("t", ROWS)
+    claim = any_store.claim("t", 2)
+    any_store.drop_table("t")
+    with pytest.raises(NotFound, match="its table was dropped"):
+        any_store.ack(claim.claim_id)
