@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from store.errors import InvalidArgument, Unavailable
+from store.errors import AlreadyExists, InvalidArgument, Unavailable
 
 from .security import NO_SECURITY, ClusterSecurity
 
@@ -131,7 +131,8 @@ def cluster_up(address: str | None = "auto", *, db: str = "expstore.duckdb", por
         node_timeout: seconds without a heartbeat before a data node is probed (and lost).
         detached: keep the actors after this process exits (``expstore cluster up``).
         ready_timeout: seconds to wait for every data node to register.
-        nodes: the Ray node ids to start data nodes on (default: every alive node).
+        nodes: the Ray node ids to start data nodes on (default: every alive node); an id
+            that is no alive node is refused before anything starts.
         tokens_file, tls_cert, tls_key: as for ``expstore serve``, read here: the coordinator
             and every data node accept the same tokens and serve TLS with the same
             certificate (it must name every machine's address).
@@ -139,12 +140,25 @@ def cluster_up(address: str | None = "auto", *, db: str = "expstore.duckdb", por
             TLS (a self-signed certificate is its own root; default: the system's).
         gc_grace: ``gc`` leaves on the data nodes segments written in the last ``gc_grace``
             seconds.
+
+    Raises:
+        InvalidArgument: ``nodes`` is empty or names a node that is not alive.
+        AlreadyExists: an expstore coordinator already runs in this Ray cluster.
     """
     security = ClusterSecurity.from_files(tokens_file, tls_cert, tls_key, tls_root_certs)
     ray = import_ray()
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    if nodes is not None:
+        unknown = [n for n in nodes if n not in alive]
+        if unknown or not nodes:
+            what = (f"{unknown!r} are not alive Ray nodes of this cluster" if unknown
+                    else "a cluster needs at least one data node")
+            raise InvalidArgument(f"nodes {list(nodes)!r}: {what}; the alive Ray node ids "
+                                  f"are {alive}")
+    _check_no_coordinator(ray)
     here = ray.get_runtime_context().get_node_id()
     lifetime = {"lifetime": "detached"} if detached else {}
     options = {"node_timeout": node_timeout, "gc_grace": gc_grace,
@@ -174,6 +188,22 @@ def cluster_up(address: str | None = "auto", *, db: str = "expstore.duckdb", por
     ray.get([a.location.remote() for a in handle.datanodes.values()], timeout=ready_timeout)
     wait_registered(uri, len(handle.datanodes), ready_timeout, security)
     return handle
+
+
+def _check_no_coordinator(ray: Any) -> None:
+    """Refuse a second cluster in one Ray cluster before starting anything: its actors'
+    names are taken (Ray would refuse the coordinator with a bare ActorAlreadyExistsError, and
+    the first cluster's data nodes would be left to register with nothing)."""
+    try:
+        existing = ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return
+    try:
+        where = f" at {ray.get(existing.location.remote(), timeout=10)}"
+    except Exception:  # noqa: BLE001 - a coordinator that does not answer is still there
+        where = ""
+    raise AlreadyExists(f"an expstore coordinator already runs in this Ray cluster{where}: "
+                        "connect to it, or stop it first (expstore cluster down)")
 
 
 def wait_registered(uri: str, nodes: int, timeout: float,

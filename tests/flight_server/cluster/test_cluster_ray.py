@@ -107,6 +107,22 @@ def test_one_data_node_per_ray_node_all_on_loopback(deployed, ray_nodes):
     assert deployed.uri.startswith("grpc://127.0.0.1:")
 
 
+def test_cluster_up_refuses_unknown_nodes_and_a_second_cluster_before_starting_anything(
+        deployed, ray_nodes, tmp_path):
+    """Before, an unknown node id started a coordinator with no data node at all (and took the
+    actors' names), and a second cluster_up failed with Ray's bare ActorAlreadyExistsError."""
+    args = dict(db=str(tmp_path / "other.duckdb"), port=1, data_dir=str(tmp_path / "data"))
+    for nodes, named in ((["deadbeef"], "'deadbeef'"), ([], "at least one data node")):
+        with pytest.raises(store.InvalidArgument, match=named) as raised:
+            cluster_up(None, nodes=nodes, **args)
+        assert ray_nodes[0] in str(raised.value)          # the alive ids, to pick from
+    with pytest.raises(store.AlreadyExists, match=f"already runs .* at {deployed.uri}"):
+        cluster_up(None, nodes=ray_nodes[:1], **args)
+    with store.connect(deployed.uri) as s:                 # the running cluster is untouched
+        assert len([n for n in s.cluster()["nodes"] if n["alive"]]) == 3
+    assert not (tmp_path / "other.duckdb").exists()
+
+
 def test_producer_and_trainer_on_different_nodes_values_move_once(deployed, ray_nodes):
     with store.connect(deployed.uri) as s:
         make_table(s, "locality")
