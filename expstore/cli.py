@@ -257,9 +257,10 @@ def create_table(name: str, columns: tuple[str, ...], if_not_exists: bool, max_s
             'token_ids:list<int32>' --storage response=ref --max-staleness 1
     """
     cols = _parse_columns(columns)
-    definition = dict(version_group=version_group, max_staleness=max_staleness,
-                      max_deliveries=max_deliveries, lease_seconds=lease_seconds,
-                      storage=_parse_storage(storage), required=list(required) or None)
+    definition: dict[str, Any] = dict(
+        version_group=version_group, max_staleness=max_staleness, max_deliveries=max_deliveries,
+        lease_seconds=lease_seconds, storage=_parse_storage(storage),
+        required=list(required) or None)
     # Checked before the store opens: a refused definition leaves no new database file behind.
     from store.schema import TableDef
     TableDef.build(name, cols, **definition)
