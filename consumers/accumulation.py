@@ -166,6 +166,15 @@ class GradientAccumulator:
         self._reset()
         return total
 
+    def discard(self) -> None:
+        """Drop the global batch so far: its gradients (``param.grad`` set to None) and counts.
+
+        For a global batch that must not be stepped (an ack of it failed: its rows went back).
+        """
+        for p in self.params:
+            p.grad = None
+        self._reset()
+
     @property
     def mean_loss(self) -> float:
         """The global-batch loss so far, ``sum_j S_j / sum_j d_j`` (for logging)."""

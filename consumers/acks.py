@@ -4,9 +4,10 @@ A trainer acks each micro-batch right after its backward. Waiting for the answer
 durable, a commit on the server) put a round trip into every micro-batch: a share of every
 step on the CPU, and a larger one on a GPU, where a micro-batch trains faster (see BENCHMARKS.md,
 "On a GPU"). Sent with ``ack(wait=False)`` the ack travels while the next
-micro-batch trains; the store applies it before any later change, the bump included. The loop
-still waits for every answer before it bumps, so a failed ack (an expired lease: the rows go to
-another consumer) stops the step instead of passing unnoticed.
+micro-batch trains; the store applies it before any later change, the bump included. The torch
+trainer still waits for every answer before its optimizer step (the DeepSpeed loop: before its
+bump), so a failed ack (an expired lease: the rows go to another consumer) stops the step instead
+of passing unnoticed.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 For each micro-batch the trainer collates it, computes the loss, backpropagates it through
 :class:`consumers.accumulation.GradientAccumulator` (the scale that makes the accumulated
 gradient equal the global batch's) and acks it: its gradient is in the accumulation cache (the
-ack is not waited for; every answer is, before the bump: :mod:`consumers.acks`). At the
+ack is not waited for; every answer is, before the optimizer step: :mod:`consumers.acks`). At the
 accumulation boundary (``MicroBatch.is_boundary``, set by the subscription) it completes the
 gradient, takes the optimizer step, publishes the weights and calls
 ``sub.bump_version(weights_uri=uri)``, so producers load the new policy and the subscription
@@ -165,14 +165,35 @@ class TorchTrainer:
         self._record(start)
         if self.ack_at_step:
             self._held.append(mb)
-        else:
+            return
+        try:
             self._acks.send(mb)
+        except BaseException:
+            self._discard_global_batch()
+            raise
+
+    def _discard_global_batch(self) -> None:
+        """An ack failed (its lease ended: the rows went back): no step may use this global
+        batch, so its gradients and counts go."""
+        self.accumulator.discard()
+        self._global_samples, self._global_busy = 0, 0.0
 
     def finish_global_batch(self, sub: Any) -> TrainStep:
-        """Optimizer step, publish the weights, bump the version (at the boundary)."""
+        """Optimizer step, publish the weights, bump the version (at the boundary).
+
+        Acked after each backward (the default), every ack of the global batch is answered
+        before its optimizer step: a micro-batch whose lease ended meanwhile went back to the
+        table (for another consumer), so no step may use its gradient. The error is raised with
+        the model as it was and the accumulated gradients dropped.
+        """
         start = time.monotonic()
         micro, loss = self.accumulator.micro_batches, self.accumulator.mean_loss
         count = self.accumulator.finish()
+        try:
+            self._acks.settle()
+        except BaseException:
+            self._discard_global_batch()
+            raise
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()

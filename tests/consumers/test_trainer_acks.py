@@ -80,6 +80,7 @@ def test_an_ack_that_fails_stops_the_step_before_the_bump(tmp_path, via: str) ->
                            message="the second micro-batch's lease to expire")
             return grpo_loss(m, b)
 
+        before = {k: v.clone() for k, v in model.state_dict().items()}
         trainer = TorchTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                slow_second_loss, tmp_path / "w")
         with contextlib.closing(s.subscribe("agent", 4, 8, group_by="input_id", group_size=2,
@@ -87,6 +88,11 @@ def test_an_ack_that_fails_stops_the_step_before_the_bump(tmp_path, via: str) ->
             with pytest.raises(LeaseExpired):
                 list(trainer.run(sub, max_steps=1, idle_timeout=10))
         assert s.get_version("agent") == 0  # no version claims the step
+        # and there was no step: the expired micro-batch's rows go to another consumer, so its
+        # gradient must not reach the model (before, the step was taken and published first)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert all(p.grad is None for p in model.parameters())
+        assert not (tmp_path / "w").exists() or not any((tmp_path / "w").iterdir())
         stats = s.stats("agent")["agent"]
         assert stats["consumed"] == 4 and stats["consumed"] + stats["ready"] == 8
 
