@@ -28,9 +28,12 @@ takes.
 
 Example (assuming ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` are set)::
 
+    from consumers.trainer import grpo_loss
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt,
                                       config=deepspeed_config(micro_batch_size=4, global_batch_size=16))
-    sub = store.subscribe("solver", micro_batch_size=4, global_batch_size=16, group_by="input_id")
+    s = store.connect("grpc://127.0.0.1:8815")
+    sub = s.subscribe("solver", micro_batch_size=4, global_batch_size=16, group_by="input_id",
+                      group_size=4)
     loop = DeepSpeedTrainLoop(engine, grpo_loss, weights_dir="./weights")
     for report in loop.run(sub, sub.bump_version, max_steps=100):
         print(report.step, report.version, report.loss)
