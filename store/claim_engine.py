@@ -25,10 +25,14 @@ from .live import LOADING, Lease, LiveTable, Row
 from .naming import quote
 from .readers import Readers
 from .row_cut import RowCut
+from .schema import TableDef
 from .settings import StoreSettings
 from .sqlguard import predicate_query
 from .table_memo import TableMemo
 from .types import one_array
+
+#: Predicates remembered as bound (see ClaimEngine._matching); past this many, forgotten.
+MAX_BOUND_PREDICATES = 1024
 
 #: Rows' claimable values by row id: a cached Arrow table and the row's index in it.
 Payloads = dict[int, tuple[pa.Table, int]]
@@ -53,6 +57,8 @@ class ClaimEngine:
         self._settings = settings
         self._poke = poke
         self._layouts: TableMemo[PutLayout] = TableMemo()   # by cached put
+        # predicates known to bind, by query, to the definition of the table they were bound to
+        self._bound: dict[str, TableDef] = {}
 
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
                    lease_seconds: float | None = None) -> Claim:
@@ -152,17 +158,38 @@ class ClaimEngine:
                     prefix = live.ready_rows(max(min(want, ready), 1))
                 fresh = [r.row_id for r in prefix if r.row_id not in asked]
                 asked.update(fresh)
-                matched |= self._matching(sql, req.where, fresh, limit, deadline)
+                if fresh or not asked:  # (none ready at all: the predicate is still bound)
+                    matched |= self._matching(live, sql, req.where, fresh, limit, deadline)
                 if len(prefix) >= ready or _fills(prefix, matched, req.limit, req.group_size):
                     return matched
                 want *= 4
         finally:
             self._readers.release_query_slot()
 
-    def _matching(self, sql: str, where: str, row_ids: list[int], limit: float,
-                  deadline: float) -> set[int]:
-        """Which candidate rows satisfy a claim predicate (``sql``: its checked query)."""
-        if not row_ids:
+    def check_predicate(self, table: str, where: str) -> None:
+        """Bind a claim predicate to ``table`` without evaluating it on any row (see
+        :meth:`_matching`): one naming an unknown column fails now.
+
+        Raises:
+            QueryRefused: naming the predicate and DuckDB's reason.
+        """
+        live = self._index.live_table(table)
+        limit = self._settings.query_timeout
+        deadline = self._readers.take_query_slot(limit, f"claim predicate {where[:200]!r}")
+        try:
+            self._matching(live, predicate_query(live.tdef.name, where), where, [], limit,
+                           deadline)
+        finally:
+            self._readers.release_query_slot()
+
+    def _matching(self, live: LiveTable, sql: str, where: str, row_ids: list[int],
+                  limit: float, deadline: float) -> set[int]:
+        """Which candidate rows satisfy a claim predicate (``sql``: its checked query).
+
+        With no candidates the query still runs (DuckDB binds it, reads nothing) until it has
+        once for this table: a predicate naming an unknown column is refused as soon as it is
+        used, not at the first claim that finds rows ready (possibly hours into a run)."""
+        if not row_ids and self._bound.get(sql) is live.tdef:
             return set()
         try:
             rows = self._readers.run(sql, [row_ids], limit, deadline)
@@ -173,6 +200,10 @@ class ClaimEngine:
                                f"of {limit} s and was cancelled") from e
         except QueryRefused as e:
             raise QueryRefused(f"claim predicate {where[:200]!r} failed: {e}") from e
+        if not row_ids:
+            if len(self._bound) >= MAX_BOUND_PREDICATES:
+                self._bound.clear()
+            self._bound[sql] = live.tdef
         return set(rows.column(0).to_pylist())
 
     def _fetch(self, live: LiveTable, rows: list[Row]) -> pa.Table:

@@ -31,7 +31,7 @@ from .blobs import BlobStore
 from .claim_engine import ClaimEngine
 from .claims import Claim, ClaimRequest, claim_requests
 from .errors import AlreadyExists, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
-    QueryRefused, StorageError, StoreClosed, TableFull
+    StorageError, StoreClosed, TableFull
 from .index import StoreIndex
 from .live import Lease, LiveTable
 from .naming import check_identifier, quote
@@ -43,7 +43,7 @@ from .readers import Readers
 from .recovery import load_state
 from .schema import TableDef
 from .settings import StoreSettings
-from .sqlguard import check_query_options, check_select, predicate_query
+from .sqlguard import check_query_options, check_select
 from .sqlvalues import drop_keys, whole_table, with_values
 from .writer import Writer
 
@@ -597,18 +597,7 @@ class EmbeddedStore:
         Raises:
             QueryRefused: naming the predicate and DuckDB's reason.
         """
-        live = self._index.live_table(table)
-        sql = predicate_query(live.tdef.name, where)
-        limit = self.query_timeout
-        deadline = self._readers.take_query_slot(limit, f"claim predicate {where[:200]!r}")
-        try:
-            # LIMIT 0 over the checked query: DuckDB binds it and reads nothing.
-            self._readers.run(f"SELECT * FROM ({sql}) AS _expstore_check LIMIT 0", [[]],
-                              limit, deadline)
-        except QueryRefused as e:
-            raise QueryRefused(f"claim predicate {where[:200]!r} failed: {e}") from e
-        finally:
-            self._readers.release_query_slot()
+        self._claims.check_predicate(table, where)
 
     # -- stats ------------------------------------------------------------------------------------
     def stats(self, table: str | None = None) -> dict[str, Any]:

@@ -144,7 +144,12 @@ class Subscription:
                                        micro_batch_size).validated() for t in tables]
         if where is not None:
             for t in tables:
-                store.check_predicate(t, where)
+                try:
+                    store.check_predicate(t, where)
+                except QueryBusy:
+                    # Every query slot is taken: the subscription waits for one as for rows,
+                    # and its first claim binds the predicate (ClaimEngine._matching).
+                    pass
         if len(tables) > 1:
             groups = {t: store.describe(t)["version_group"] for t in tables}
             if len(set(groups.values())) != 1:

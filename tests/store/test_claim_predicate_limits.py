@@ -112,3 +112,22 @@ def test_the_server_refuses_an_escaping_predicate_with_query_refused(tmp_path):
             assert remote.stats("solver")["solver"]["ready"] == 8
         finally:
             remote.close()
+
+
+def test_a_predicate_naming_an_unknown_column_is_refused_with_no_row_ready(any_store):
+    """A claim's predicate is bound to its table even when no row is ready to test it on: a
+    typo fails the first claim, not the first one that finds rows (possibly hours later). Once
+    it has bound, a table with nothing ready costs no query per claim; a table made again
+    under the same name binds it again."""
+    s = any_store
+    s.create_table("solver", {"reward": "float64"})
+    with pytest.raises(QueryRefused, match="rewrd"):
+        s.claim("solver", 4, where="rewrd > 0")
+    assert s.claim("solver", 4, where="reward > 0").data.num_rows == 0
+    s.drop_table("solver")
+    s.create_table("solver", {"score": "float64"})
+    with pytest.raises(QueryRefused, match="reward"):
+        s.claim("solver", 4, where="reward > 0")
+    s.put("solver", {"sample_id": ["q0_0_0", "q1_0_0"], "score": [1.0, -1.0]})
+    got = s.claim("solver", 4, where="score > 0")
+    assert got.data.column("sample_id").to_pylist() == ["q0_0_0"]
