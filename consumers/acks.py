@@ -5,8 +5,7 @@ durable, a commit on the server) put a round trip into every micro-batch: a shar
 step on the CPU, and a larger one on a GPU, where a micro-batch trains faster (see BENCHMARKS.md,
 "On a GPU"). Sent with ``ack(wait=False)`` the ack travels while the next
 micro-batch trains; the store applies it before any later change, the bump included. The torch
-trainer still waits for every answer before its optimizer step (the DeepSpeed loop: before its
-bump), so a failed ack (an expired lease: the rows go to another consumer) stops the step instead
+and DeepSpeed trainers still wait for every answer before their optimizer step, so a failed ack (an expired lease: the rows go to another consumer) stops the step instead
 of passing unnoticed.
 """
 from __future__ import annotations

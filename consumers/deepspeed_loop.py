@@ -20,7 +20,8 @@ global batch's unit count up front (``global_count``); it refuses to start witho
 
 Acks: by default a micro-batch is acked right after its backward (its gradient is in the
 accumulation cache, the paper's model), without waiting for the answer; the loop waits for all of
-them before it bumps the version (:class:`consumers.acks.PendingAcks`). ``ack_at_step=True`` acks
+them before the optimizer step (:class:`consumers.acks.PendingAcks`): a failed one (an expired
+lease) stops the step, the weights untouched. ``ack_at_step=True`` acks
 the whole global batch only after the optimizer step, so a trainer crash mid-batch re-delivers
 those samples, at the price of holding more leases: the subscription's ``max_in_flight`` must be
 at least the number of micro-batches per global batch, and its lease longer than one global batch
@@ -268,12 +269,14 @@ class DeepSpeedTrainLoop:
                 self.engine.set_gradient_accumulation_boundary(bool(mb.is_boundary))
             loss_sum, count = self.loss_fn(self.engine, batch)
             self.accumulator.backward(loss_sum, count, is_last=bool(mb.is_boundary))
-            if self._managed:
-                self.engine.step()  # a no-op unless the boundary was set above
             if self.ack_at_step:
                 pending.append(mb)
             else:
                 self._acks.send(mb)
+                if mb.is_boundary:
+                    self._settle_before_step()
+            if self._managed:
+                self.engine.step()  # a no-op unless the boundary was set above
             if mb.is_boundary:
                 yield self._finish_step(pending, bump_version)
                 pending = []
@@ -281,6 +284,18 @@ class DeepSpeedTrainLoop:
                 # micro-batch of the next global batch.
                 if max_steps is not None and self.step - steps_at_start >= max_steps:
                     return
+
+    def _settle_before_step(self) -> None:
+        """Wait for every ack of the global batch before its step: a micro-batch whose lease
+        ended went back to the table (for another consumer), so no step may use its gradient;
+        the error is raised with the engine's weights as they were and its gradients dropped."""
+        try:
+            self._acks.settle()
+        except BaseException:
+            self.accumulator.discard()
+            if hasattr(self.engine, "zero_grad"):
+                self.engine.zero_grad()
+            raise
 
     def _finish_step(self, pending: list[MicroBatchLike], bump_version: Callable[..., Any]) -> StepReport:
         micro, loss = self.accumulator.micro_batches, self.accumulator.mean_loss

@@ -362,3 +362,37 @@ def test_zero3_loop_on_cuda_equals_plain_torch_steps(tmp_path) -> None:
     """The same ZeRO-3 check where DeepSpeed's accelerator is CUDA (NCCL, GPU partitions)."""
     assert ds_device() == "cuda"
     zero3_loop_from_store(tmp_path)
+
+
+class ExpiredItem(Item):
+    """A micro-batch whose lease ended while it trained: its ack's answer is LeaseExpired."""
+
+    def ack(self, wait: bool = True) -> Any:
+        from concurrent.futures import Future
+
+        from store.errors import LeaseExpired
+        answer: Future = Future()
+        answer.set_exception(LeaseExpired(f"the lease of {self.data.column('sample_id')[0].as_py()} "
+                                          "ended before this ack"))
+        return answer
+
+
+def test_an_ack_that_fails_stops_the_step_with_the_weights_untouched(tmp_path) -> None:
+    """Before, the loop stepped the engine and published the weights, then waited for the acks:
+    the rows of an expired lease went to another consumer and were trained on here as well."""
+    from consumers.deepspeed_loop import DeepSpeedTrainLoop, deepspeed_config
+    from store.errors import LeaseExpired
+
+    model = build_tiny_lm(seed=6)
+    cfg = deepspeed_config(micro_batch_size=4, global_batch_size=8, zero_stage=0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    before = copy.deepcopy(engine.module.state_dict())
+    batch = items([make_global_batch(3)], [])
+    batch[0] = ExpiredItem(batch[0].data, batch[0].index, batch[0].is_boundary)
+    bumps: list[str] = []
+    loop = DeepSpeedTrainLoop(engine, lambda eng, b: grpo_loss(eng, b), tmp_path / "weights")
+    with pytest.raises(LeaseExpired, match="s3_0_0"):
+        list(loop.run(batch, lambda *, weights_uri: bumps.append(weights_uri)))
+    assert bumps == [] and loop.step == 0
+    assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").iterdir())
