@@ -164,6 +164,8 @@ class RolloutDriver:
         self.partial_writes = 0
         self.dropped_stale = 0
         self.reload_errors: list[BaseException] = []
+        #: what the last failed load was, until a load succeeds: (version, weights_uri, error)
+        self._failed_load: tuple[int, str | None, BaseException] | None = None
         if load_published:
             uri = writer.store.weights_uri(self.table)
             if uri is not None and backend.weights_uri != uri:
@@ -194,8 +196,10 @@ class RolloutDriver:
         except Exception as e:  # noqa: BLE001 - recorded; rollouts keep waiting for a good load
             log.exception("loading weights %r for version %d failed", weights_uri, version)
             self.reload_errors.append(e)
+            self._failed_load = (version, weights_uri, e)
             return
         with self._cond:
+            self._failed_load = None
             self._loaded = max(self._loaded, version)
             self._cond.notify_all()
 
@@ -221,13 +225,19 @@ class RolloutDriver:
             timeout: seconds to wait for those weights.
 
         Raises:
-            TimeoutError: the weights did not arrive in time.
+            TimeoutError: the weights did not arrive in time (naming why the last load
+                failed, if one did: e.g. a published file this machine cannot read).
         """
         for attempt in range(self.max_regenerations + 1):
             need = self.writer.version if min_version is None else min_version
             if not self.wait_for_version(need, timeout):
+                failed = self._failed_load
+                cause = "" if failed is None else (
+                    f"; loading the weights of version {failed[0]} from {failed[1]!r} failed: "
+                    f"{type(failed[2]).__name__}: {failed[2]} (the rollout machine must be able "
+                    "to read what the trainer publishes)")
                 raise TimeoutError(f"the weights of version {need} of {self.table!r} did not "
-                                   f"arrive within {timeout} s (loaded: {self.version})")
+                                   f"arrive within {timeout} s (loaded: {self.version}){cause}")
             gens = self._generate(request)
             version = self._tag(gens[0].policy_version)
             # A bump that landed while we generated makes these samples too old for a strictly

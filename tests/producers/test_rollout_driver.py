@@ -107,6 +107,23 @@ def test_bump_reloads_weights_before_the_next_generation(s, tmp_path) -> None:
                         {"sample_id": "q1_0_1", "policy_version": 1}]
 
 
+def test_weights_that_cannot_be_loaded_are_named_when_the_wait_ends(s, tmp_path) -> None:
+    """A trainer on another machine publishes to a path this machine cannot read. Before, the
+    rollout waited and said only that the weights did not arrive; the load's error was in a log."""
+    backend = TinyLMBackend(seed=0)
+    with ExperienceWriter(s, "solver") as w:
+        driver = RolloutDriver(backend, w, length_reward, n=1, max_new_tokens=2)
+        uri = eos_weights(tmp_path / "weights", step=1)
+        for published in (tmp_path / "weights").iterdir():
+            published.unlink()                       # what this machine sees of the trainer's disk
+        assert s.bump_version("solver", expected=0, weights_uri=uri) == 1
+        with pytest.raises(TimeoutError) as raised:
+            driver.rollout(RolloutRequest("q0", "x"), min_version=1, timeout=2)
+    message = str(raised.value)
+    assert "version 1" in message and f"from {uri!r} failed" in message, message
+    assert backend.policy_version != 1 and driver.reload_errors
+
+
 def test_rollout_waits_for_weights_with_a_deadline(s) -> None:
     with ExperienceWriter(s, "solver") as w:
         driver = RolloutDriver(TinyLMBackend(seed=0), w, length_reward, n=1, max_new_tokens=2)
