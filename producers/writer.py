@@ -9,7 +9,8 @@ finish; a background thread sends them in batches. The writer
 * keeps up to ``puts_in_flight`` puts on their way at once (``put_async``), so that a put's round
   trips and durable commits overlap the next one's instead of adding up; their outcomes are
   settled in the order they were sent;
-* retries transient failures (server restarting, network) with exponential backoff; resending is
+* retries transient failures (server restarting, network) with exponential backoff (after the
+  last retry its error names the table and the first sample not stored); resending is
   harmless because writes are upserts, and a put retried after later ones were sent leaves out
   the columns of its samples that those later puts wrote, so that an older part never
   overwrites a newer one;
@@ -321,11 +322,22 @@ class ExperienceWriter:
             # end the writer, named): either way the other samples of the put are stored.
             self._put_rows_singly(rows)
             return
-        if not isinstance(error, TRANSIENT) or self.max_retries == 0:
+        if not isinstance(error, TRANSIENT):
             raise error
-        log.warning("put to %r failed (%s); retry 1 in %.2f s", self.table, error, self.backoff)
-        if rows:
-            self._put_with_retries(rows, first_delay=self.backoff)
+        try:
+            if self.max_retries == 0:
+                raise error
+            log.warning("put to %r failed (%s); retry 1 in %.2f s", self.table, error,
+                        self.backoff)
+            if rows:
+                self._put_with_retries(rows, first_delay=self.backoff)
+        except TRANSIENT as e:
+            # The same class (a caller may tell a full table from a server away), saying what
+            # the producer has to write again.
+            raise type(e)(f"the writer of {self.table!r} gave up after {self.max_retries} "
+                          f"retries: {len(put.rows)} samples sent in the put (the first "
+                          f"{put.rows[0]['sample_id']!r}) and those written after them are not "
+                          f"stored; write them again once the store is back: {e}") from e
 
     def _put_with_retries(self, rows: list[dict[str, Any]], first_delay: float) -> None:
         delay = first_delay

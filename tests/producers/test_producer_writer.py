@@ -131,3 +131,25 @@ def test_a_sample_the_table_refuses_is_named_and_its_puts_good_samples_are_store
     assert "'bad_0_0'" in str(raised.value) and "other 5 samples were stored" in str(raised.value)
     stored = s.query("SELECT sample_id FROM agent ORDER BY 1").column(0).to_pylist()
     assert stored == [f"g{i}_0_0" for i in range(5)]
+
+
+def test_a_writer_that_gives_up_on_a_stopped_server_says_what_was_not_stored(tmp_path):
+    """Before, close() raised gRPC's bare "failed to connect to all addresses", naming neither
+    the table nor the samples lost."""
+    import reliability_helpers as rh
+
+    srv = rh.ServerProcess(tmp_path / "x.duckdb").start()
+    try:
+        with store.connect(srv.uri) as s:
+            s.create_table("agent", {"prompt": "string", "reward": "float64"})
+        w = ExperienceWriter(srv.uri, "agent", track_version=False, max_retries=1, backoff=0.01)
+        w.write({"sample_id": "a_0_0", "prompt": "p", "reward": 1.0})
+        w.flush(timeout=30)
+    finally:
+        srv.kill()
+    w.write([{"sample_id": f"b{i}_0_0", "prompt": "p", "reward": 1.0} for i in range(3)])
+    with pytest.raises(store.Unavailable) as raised:
+        w.close(timeout=60)
+    message = str(raised.value)
+    assert "writer of 'agent' gave up after 1 retries: 3 samples" in message, message
+    assert "'b0_0_0'" in message and "not stored" in message
