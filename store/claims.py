@@ -61,6 +61,13 @@ class ClaimRequest:
             raise InvalidArgument(f"min_rows {self.min_rows!r} is invalid; expected an integer "
                                   f"in [1, limit={self.limit}]")
         if self.group_by is not None or self.group_size is not None:
+            if self.group_by is None:
+                raise InvalidArgument(f"group_size {self.group_size!r} needs group_by, the "
+                                      f"column whose groups are claimed whole: one of "
+                                      f"{GROUP_COLUMNS}")
+            if self.group_size is None and self.group_by in GROUP_COLUMNS:
+                raise InvalidArgument(f"group_by {self.group_by!r} needs group_size, the rows "
+                                      f"of each group (an integer in [1, limit={self.limit}])")
             if self.group_by not in GROUP_COLUMNS:
                 raise InvalidArgument(f"group_by {self.group_by!r} is not supported; expected "
                                       f"one of {GROUP_COLUMNS}")

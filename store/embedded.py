@@ -215,7 +215,8 @@ class EmbeddedStore:
         """Upsert samples; returns once they are durable.
 
         ``data`` is a ``pyarrow.Table`` / ``RecordBatch``, a dict of columns, a list of row
-        dicts or a data frame (pandas, polars: anything with ``__arrow_c_stream__``), with ``sample_id`` and any subset of the data and status columns (and optionally
+        dicts or a data frame (pandas, polars: anything with ``__arrow_c_stream__``), with
+        ``sample_id`` and any subset of the data and status columns (and optionally
         ``policy_version``, default the current version). A written column's status becomes
         true unless the write gives the status itself; a null value leaves that column as it was.
 

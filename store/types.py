@@ -52,7 +52,7 @@ def parse_type(spec: str | pa.DataType) -> pa.DataType:
         if outer == "list":
             return pa.large_list(parse_type(inner))
         if inner not in NUMERIC_ELEMENTS:
-            raise InvalidArgument(f"tensor element type {inner!r} is not numeric; expected one of "
+            raise InvalidArgument(f"tensor element type {inner!r} is not supported; expected one of "
                                   f"{', '.join(NUMERIC_ELEMENTS)}")
         return tensor_type(SCALARS[inner])
     raise InvalidArgument(f"unknown column type {spec!r}; expected one of {', '.join(ALLOWED)}")

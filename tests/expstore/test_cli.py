@@ -631,3 +631,11 @@ def test_tls_to_a_server_without_tls_is_one_line_that_says_so(tmp_path):
     assert proc.stderr.startswith("Error: no expstore server answers at grpc+tls://"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "serves no TLS (use grpc://)" in proc.stderr
+
+
+def test_python_dash_m_expstore_is_the_console_script():
+    """``python -m expstore`` runs the same commands as ``expstore`` (no ``__main__`` before)."""
+    done = subprocess.run([sys.executable, "-m", "expstore", "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "Usage: python -m expstore" in done.stdout and "serve" in done.stdout

@@ -41,6 +41,13 @@ CASES: dict[str, tuple[Callable[[Any], Any], list[str]]] = {
     "create_table of a list": (
         lambda s: s.create_table("c", ["a"]), ["'c'", "mapping", "list ['a']"]),
     "create_table of None": (lambda s: s.create_table("c", None), ["'c'", "NoneType None"]),
+    "group_by without group_size": (
+        lambda s: s.claim("t", 4, group_by="input_id"), ["'input_id' needs group_size"]),
+    "group_size without group_by": (
+        lambda s: s.claim("t", 4, group_size=2), ["group_size 2 needs group_by"]),
+    "a tensor of float16": (  # (an element type Arrow has but the store does not take)
+        lambda s: s.create_table("c", {"x": "tensor<float16>"}),
+        ["'float16' is not supported", "float32"]),
 }
 
 
