@@ -2,8 +2,9 @@
 
 The server (a spawned subprocess on a port the OS picks) keeps what it is sent in memory:
 ``do_put`` answers every batch with a metadata message, ``do_get`` streams a stored table back,
-and the action ``row`` deserialises a one-row IPC stream and echoes it (the cheapest useful
-round trip: what a claim or a one-sample put can at best cost). Paths starting with ``sink``
+the action ``row`` deserialises a one-row IPC stream and echoes it (the cheapest useful
+round trip: what a claim or a one-sample put can at best cost), and ``do_exchange`` answers each
+message with a stored table's first batch (what a micro-batch on an open session at best costs). Paths starting with ``sink``
 are counted and dropped, so throughput runs do not fill memory.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,6 +55,17 @@ class RawServer(flight.FlightServerBase):
         with self._lock:
             batches = self._tables[ticket.ticket]
         return flight.RecordBatchStream(pa.Table.from_batches(batches))
+
+    def do_exchange(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any,
+                    writer: Any) -> None:
+        """A session's floor: each metadata message is answered with one metadata message
+        holding the first batch of the stored table the command names, serialized once."""
+        with self._lock:
+            batch = self._tables[descriptor.command][0]
+        answer = pa.py_buffer(b'{"id": 1}\n' + batch.serialize().to_pybytes())
+        writer.begin(pa.schema([]))
+        for _ in reader:
+            writer.write_metadata(answer)
 
     def do_action(self, context: Any, action: flight.Action) -> Iterator[flight.Result]:
         if action.type == "row":
@@ -116,6 +129,24 @@ def put_stream(client: flight.FlightClient, path: str, table: pa.Table) -> int:
     return acks[0]
 
 
+def exchange_round_trips(client: flight.FlightClient, name: str, n: int) -> list[float]:
+    """Seconds of ``n`` round trips on one open ``do_exchange``: a small request message, and
+    an answer holding the serialized first batch of stored table ``name`` (what a session
+    micro-batch must at least move: a request and the rows, on a stream already open)."""
+    writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(name.encode()))
+    writer.begin(pa.schema([]))
+    request = pa.py_buffer(b'{"id": 1, "action": "claim"}')
+    took = []
+    for _ in range(n + n // 10):                 # the first tenth warms up, untimed
+        t0 = time.perf_counter()
+        writer.write_metadata(request)
+        reader.read_chunk()
+        took.append(time.perf_counter() - t0)
+    writer.done_writing()
+    writer.close()
+    return took[n // 10:]
+
+
 def action_op(uri: str) -> tuple[Any, Any]:
     """Load factory: one ``row`` action per op."""
     client = flight.FlightClient(uri)
@@ -174,6 +205,13 @@ def run(ctx: Ctx) -> None:
         rate = median_rate(narrow_stream.num_rows,
                            lambda: client.do_get(ticket).read_all(), repeats)
         ctx.record("get_narrow_rows_per_s", rate, "rows/s", "do_get narrow")
+
+        for kind, table in (("narrow", narrow), ("wide", wide)):
+            put_stream(client, f"mb16-{kind}", table.slice(0, 16))
+            p50, _ = percentiles_ms(exchange_round_trips(client, f"mb16-{kind}",
+                                                         ctx.pick(500, 2000)))
+            ctx.record(f"exchange16_{kind}_p50_ms", p50, "ms",
+                       f"one message each way on an open do_exchange, the answer 16 {kind} rows")
 
         call = action_op(uri)[0]
         p50, p99 = percentiles_ms(time_calls(call, ctx.pick(500, 2000)))

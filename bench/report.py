@@ -12,7 +12,7 @@ from typing import Any
 from bench.context import Results, fmt
 from bench.targets import evaluate
 
-SYSTEMS = ["raw Flight", "DuckDB", "Redis", "Ray", "expstore"]
+SYSTEMS = ["raw Flight", "DuckDB", "Redis", "Ray", "TransferQueue", "expstore"]
 # (what, unit, {system: metric key})
 COMPARISON: list[tuple[str, str, dict[str, str]]] = [
     ("narrow ingest", "rows/s", {
@@ -48,6 +48,14 @@ COMPARISON: list[tuple[str, str, dict[str, str]]] = [
         "Redis": "redis_streams.claim16_ack_p50_ms",
         "expstore": "expstore_claims.claim16_ackpipe_p50_ms"}),
     ("put → delivered p50", "ms", {"expstore": "expstore_claims.deliver_p50_ms"}),
+    ("micro-batch of 16 narrow, fetched + settled p50", "ms", {
+        "raw Flight": "flight_raw.exchange16_narrow_p50_ms",
+        "TransferQueue": "transferqueue.mb16_narrow_p50_ms",
+        "expstore": "expstore_reads.mb16_narrow_p50_ms"}),
+    ("micro-batch of 16 wide, fetched + settled p50", "ms", {
+        "raw Flight": "flight_raw.exchange16_wide_p50_ms",
+        "TransferQueue": "transferqueue.mb16_wide_p50_ms",
+        "expstore": "expstore_reads.mb16_wide_p50_ms"}),
 ]
 # BENCHMARKS.md holds two generated blocks: the summary (the run, every target, the side-by-side
 # comparison) on its first screen, and every figure further down.
