@@ -63,6 +63,7 @@ from consumers.accumulation import GradientAccumulator
 from consumers.acks import PendingAcks
 from consumers.grpo import clipped_policy_loss, token_logprobs
 from consumers.torch_collate import TorchBatch, collate
+from store.subscription import BumpStopped
 from producers.rollout.weights import prune_published, publish_state_dict
 
 __all__ = ["LossFn", "TrainStep", "TorchTrainer", "TrainerThread", "grpo_loss"]
@@ -178,13 +179,21 @@ class TorchTrainer:
         self.accumulator.discard()
         self._global_samples, self._global_busy = 0, 0.0
 
-    def finish_global_batch(self, sub: Any) -> TrainStep:
+    def finish_global_batch(self, sub: Any, *,
+                            stop: threading.Event | None = None) -> TrainStep:
         """Optimizer step, publish the weights, bump the version (at the boundary).
 
         Acked after each backward (the default), every ack of the global batch is answered
         before its optimizer step: a micro-batch whose lease ended meanwhile went back to the
         table (for another consumer), so no step may use its gradient. The error is raised with
         the model as it was and the accumulated gradients dropped.
+
+        ``stop`` is handed to ``sub.bump_version``: set while the bump waits at the barrier for
+        another agent's trainer, it ends the wait with
+        :class:`store.subscription.BumpStopped`. The global batch's step was then taken (counted
+        in ``step`` and ``samples``, its weights published, its micro-batches acked) but the
+        version did not move and no :class:`TrainStep` is reported; its arrival stays at the
+        barrier (see ``Subscription.bump_version``).
         """
         start = time.monotonic()
         micro, loss = self.accumulator.micro_batches, self.accumulator.mean_loss
@@ -206,7 +215,13 @@ class TorchTrainer:
         for mb in held:
             self._acks.send(mb)
         self._acks.settle()
-        version = int(sub.bump_version(weights_uri=uri))
+        try:
+            version = int(sub.bump_version(weights_uri=uri) if stop is None
+                          else sub.bump_version(weights_uri=uri, stop=stop))
+        except BumpStopped:
+            self.samples += self._global_samples
+            self._global_samples, self._global_busy = 0, 0.0
+            raise
         if self.keep_last is not None:
             prune_published(self.weights_dir, self.keep_last, name=self.name)
         report = TrainStep(self.step, version, micro, self._global_samples, count, loss, uri,
@@ -230,7 +245,10 @@ class TorchTrainer:
         ``idle_timeout`` seconds without a micro-batch. It never asks for a micro-batch past the
         last step it will take (that would claim, and strand, rows of the next global batch).
         With ``ack_at_step``, the micro-batches of a global batch it stops in stay unacked
-        (closing the subscription gives them back).
+        (closing the subscription gives them back). ``stop`` also ends a bump waiting at the
+        version group's barrier for another agent's trainer: that global batch's step was
+        taken and acked, the version did not move, and nothing is yielded for it (see
+        :meth:`finish_global_batch`).
 
         Raises:
             ValueError: ``ack_at_step`` with a subscription whose ``max_in_flight`` cannot hold a
@@ -251,7 +269,11 @@ class TorchTrainer:
             last = time.monotonic()
             self.train_micro_batch(mb)
             if mb.is_boundary:
-                yield self.finish_global_batch(sub)
+                try:
+                    report = self.finish_global_batch(sub, stop=stop)
+                except BumpStopped:
+                    return
+                yield report
 
 
 def _check_holds_a_global_batch(sub: Any) -> None:
@@ -267,8 +289,13 @@ class TrainerThread(threading.Thread):
     """Run :meth:`TorchTrainer.run` on a subscription in a background thread.
 
     ``steps`` collects the :class:`TrainStep` reports, ``error`` the exception that ended the
-    loop, if any. :meth:`stop` ends it at the next poll; the subscription is closed at the end
-    (its in-flight micro-batches are nacked).
+    loop, if any. :meth:`stop` ends it at the next poll, or, when its bump waits at the version
+    group's barrier for another agent's trainer, within a fraction of a second embedded and
+    about a second through a Flight server: that global batch's step was taken and acked, the
+    version did not move, and its arrival stays at the barrier, so the group advances once the
+    other members arrive (or the round times out); a trainer started again arrives again (see
+    :meth:`TorchTrainer.finish_global_batch`). The subscription is closed at the end (its
+    in-flight micro-batches are nacked).
     """
 
     def __init__(self, trainer: TorchTrainer, sub: Any, *, max_steps: int | None = None,

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from store.errors import ExpstoreError, InvalidArgument, StoreClosed, Unavailable
-from store.subscription import MicroBatch, rows_of_all
+from store.subscription import STOP_POLL_SECONDS, BumpStopped, MicroBatch, rows_of_all
 
 from .wire.errors import from_flight
 from .wire.subscribe import ClientMessage, MicroBatchMeta, SubscribeOptions, reply_error, \
@@ -266,14 +266,29 @@ class RemoteSubscription:
     def at_boundary(self) -> bool:
         return self._at_boundary
 
-    def bump_version(self, weights_uri: str | None = None) -> int:
+    def bump_version(self, weights_uri: str | None = None, *,
+                     stop: threading.Event | None = None) -> int:
         """Arrive at the version group's barrier (see :class:`store.subscription.Subscription`):
         answered once the group's version advanced. No client timeout: the server answers
-        ``barrier_timeout`` when the group's barrier timeout passes."""
+        ``barrier_timeout`` when the group's barrier timeout passes.
+
+        ``stop`` ends the wait as it does embedded (:class:`store.subscription.BumpStopped`;
+        the arrival stays on the server). The bump is still pending on the stream, so the
+        subscription must then be closed: the server gives up waiting for its caller within
+        one of its barrier steps once the stream's client side has ended (a round that
+        completes before then advances the group as usual; only its answer is not read)."""
         # No ANSWER_TIMEOUT here: the barrier may wait for another agent's trainer for as long
         # as the group's barrier timeout (the server answers then); a stream that ends fails
         # this Future at once.
-        answer = self._send(ClientMessage("bump", weights_uri=weights_uri)).result()
+        pending = self._send(ClientMessage("bump", weights_uri=weights_uri))
+        while True:
+            try:
+                answer = pending.result(None if stop is None else STOP_POLL_SECONDS)
+                break
+            except FutureTimeout:
+                if stop is not None and stop.is_set():
+                    raise BumpStopped(f"stopped while waiting at the barrier; the arrival of "
+                                      f"{self.tables} at version {self.version} stays") from None
         self.version = int(answer["version"])
         self.global_batch += 1
         self._at_boundary = False

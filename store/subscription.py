@@ -8,7 +8,9 @@ next global batch is claimed under the old weights.
 
 ``bump_version`` *arrives* at the version group's barrier (store/barrier.py): in a group of one
 table that is the bump; in a group of several agents' tables it returns once every member's
-trainer has arrived and the group's version advanced once.
+trainer has arrived and the group's version advanced once. Given a ``stop`` event, it stops
+waiting soon after the event is set and raises :class:`BumpStopped`; its arrival stays at the
+barrier (see :meth:`Subscription.bump_version`).
 
 A subscription over several tables (a shared model, or a centralised critic trained on every
 agent's samples) draws each micro-batch from all of them in one atomic claim: ``micro_batch_size``
@@ -32,6 +34,7 @@ for all of them at once.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -44,6 +47,16 @@ from .errors import InvalidArgument, QueryBusy
 
 log = logging.getLogger("expstore.subscription")
 
+#: Seconds between two looks at a ``bump_version`` caller's stop event while it waits at the
+#: barrier.
+STOP_POLL_SECONDS = 0.25
+
+
+class BumpStopped(Exception):
+    """``bump_version``'s wait at the barrier was ended by its caller's ``stop`` event before the
+    group's version advanced. Not a store error (the store never raises it): the arrival was
+    made and stays, so the round completes, or times out, as if the trainer had died there."""
+
 
 class _Store(Protocol):
     def claim_many(self, requests: list[ClaimRequest], *, consumer: str | None = None,
@@ -54,6 +67,9 @@ class _Store(Protocol):
     def get_version(self, table: str) -> int: ...
     def arrive(self, tables: str | list[str], *, expected: int,
                weights_uri: str | None = None) -> int: ...
+    def arrive_poll(self, tables: str | list[str], *, expected: int,
+                    weights_uri: str | None = None,
+                    timeout: float | None = None) -> dict[str, Any]: ...
     def wait_changed(self, since: int, timeout: float) -> int: ...
     @property
     def change_seq(self) -> int: ...
@@ -243,17 +259,40 @@ class Subscription:
         return future
 
     # -- the accumulation boundary -------------------------------------------------------------
-    def bump_version(self, weights_uri: str | None = None) -> int:
+    def bump_version(self, weights_uri: str | None = None, *,
+                     stop: threading.Event | None = None) -> int:
         """After the optimizer step at a boundary: arrive at the version group's barrier for
         this subscription's tables (in a group of one table, the bump itself), wait until the
         group's version advanced, and start the next global batch at it.
 
+        ``stop`` (a trainer's stop event) ends the wait within :data:`STOP_POLL_SECONDS` of
+        being set: :class:`BumpStopped` is raised, the subscription stays at its boundary and
+        version, and the arrival stays at the barrier. That is safe for the other members: the
+        group still advances only once every member arrived, and this one did finish its
+        global batch (its step was taken, its acks are durable). A trainer started again
+        arrives again at the same version: it waits on the same round, or is answered the new
+        version at once if the round completed meanwhile.
+
         Raises:
             BarrierTimeout: another member of the group never arrived (see store/barrier.py).
             VersionConflict: the group's version moved past this subscription's.
+            BumpStopped: ``stop`` was set before the group's version advanced.
         """
-        new = self._store.arrive(self.tables if len(self.tables) > 1 else self.table,
-                                 expected=self.version, weights_uri=weights_uri)
+        tables = self.tables if len(self.tables) > 1 else self.table
+        if stop is None:
+            new = self._store.arrive(tables, expected=self.version, weights_uri=weights_uri)
+        else:
+            while True:
+                answer = self._store.arrive_poll(tables, expected=self.version,
+                                                 weights_uri=weights_uri,
+                                                 timeout=STOP_POLL_SECONDS)
+                if answer["complete"]:
+                    new = int(answer["version"])
+                    break
+                if stop.is_set():
+                    raise BumpStopped(f"stopped while waiting at the barrier for "
+                                      f"{answer['waiting_for']}; the arrival of {tables!r} at "
+                                      f"version {self.version} stays")
         self.advance(new)
         return new
 
