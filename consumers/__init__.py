@@ -10,7 +10,8 @@
 ...         optimizer.step(); sub.bump_version(weights_uri=publish(model))
 
 torch, DeepSpeed and their collation helpers are imported only from their own modules
-(:mod:`consumers.torch_collate`, :mod:`consumers.accumulation`, :mod:`consumers.deepspeed_loop`).
+(:mod:`consumers.torch_collate`, :mod:`consumers.accumulation`, :mod:`consumers.deepspeed_loop`,
+:mod:`consumers.torch_dataset`: an ``IterableDataset`` for a ``DataLoader`` in a trainer of your own).
 """
 from __future__ import annotations
 
