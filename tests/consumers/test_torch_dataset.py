@@ -6,6 +6,7 @@ against a real Flight server over one (127.0.0.1, port 0) through the remote cli
 from __future__ import annotations
 
 import doctest
+import gc
 from typing import Any
 
 import pytest
@@ -133,6 +134,24 @@ def test_asking_for_the_next_item_without_bumping_is_refused(any_store) -> None:
         again = next(items)
         assert again.index == 1 and again.is_boundary
         assert sorted(ids(again)) == sorted(ids(boundary))
+        assert ds.bump_version() == 1
+    assert counts(any_store)["consumed"] == 8
+
+
+def test_a_loop_that_stops_early_gives_its_micro_batch_back(any_store) -> None:
+    fill(any_store)
+    with dataset(any_store) as ds:
+        items = iter(DataLoader(ds, batch_size=None))
+        next(items)
+        boundary = next(items)
+        assert ds.subscription.at_boundary
+        del items  # the loop stopped (break) with the boundary micro-batch unfinished
+        gc.collect()
+        # Nacked, not acked: its slot in the global batch is open again, its rows come back.
+        assert not ds.subscription.at_boundary
+        items = iter(DataLoader(ds, batch_size=None))
+        again = next(items)
+        assert again.index == 1 and sorted(ids(again)) == sorted(ids(boundary))
         assert ds.bump_version() == 1
     assert counts(any_store)["consumed"] == 8
 
