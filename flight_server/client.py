@@ -19,7 +19,7 @@ from store.claims import Claim, ClaimRequest, claim_requests
 from store.sqlguard import check_query_options, check_sql_text
 from store.errors import ExpstoreError, InvalidArgument, QueryTimeout, StoreClosed, Unavailable
 from store.prepare import NO_ROWS, put_timeout, to_arrow_table
-from store.schema import TableDef, check_columns
+from store.schema import TableDef, check_column_mapping
 
 from . import wire
 from .session_client import Answer, SessionChannel, json_answer
@@ -147,7 +147,7 @@ class RemoteStore:
                      storage: Mapping[str, str] | None = None,
                      required: list[str] | None = None) -> dict[str, Any]:
         """See :meth:`store.embedded.EmbeddedStore.create_table`."""
-        check_columns(name, columns)
+        check_column_mapping(name, columns)
         body = {"name": name, "columns": {k: _type_spelling(v) for k, v in columns.items()},
                 "if_not_exists": if_not_exists, "max_staleness": max_staleness,
                 "version_group": version_group, "max_deliveries": max_deliveries,

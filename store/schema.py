@@ -83,7 +83,7 @@ class ColumnDef:
         return cls(d["name"], parse_type(d["type"]), d["storage"], d["required"])
 
 
-def check_columns(table: object, columns: object) -> None:
+def check_column_mapping(table: object, columns: object) -> None:
     """Refuse a table's data columns unless they are a non-empty mapping of name to type (what
     a client checks before sending, as :meth:`TableDef.build` does).
 
@@ -129,7 +129,7 @@ class TableDef:
         # Only None means "no group": a falsy non-string ([], 0, "") is a mistake, not a default.
         group = check_identifier(version_group, "version group") \
             if version_group is not None else name
-        check_columns(name, columns)
+        check_column_mapping(name, columns)
         if storage is not None and not isinstance(storage, Mapping):
             raise InvalidArgument(f"storage {storage!r} is invalid; expected a mapping of column "
                                   "name to 'value', 'ref' or 'auto'")
