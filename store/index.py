@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
 import threading
 import time
-import os
 from collections import OrderedDict
 from concurrent.futures import Future
 from contextlib import contextmanager
