@@ -209,8 +209,7 @@ class ClaimEngine:
     def _fetch(self, live: LiveTable, rows: list[Row]) -> pa.Table:
         """The claim's rows, from the claim cache where possible, else from DuckDB."""
         deliveries = [r.deliveries for r in rows]
-        delivery_count = (_first_deliveries(len(rows)) if deliveries.count(1) == len(rows)
-                          else pa.array(deliveries, pa.int32()))
+        delivery_count = _delivery_count(deliveries)
         one_put = self._cached_put(rows)
         if one_put is None:
             payloads = [r.payload for r in rows]
@@ -314,9 +313,7 @@ class ClaimEngine:
         # (part, row in it) of each claim position
         where: list[tuple[int, int]] = [(0, 0)] * len(deliveries)
         for k, (table, indices, positions) in enumerate(sources.values()):
-            counts = [deliveries[p] for p in positions]
-            delivery_count = _first_deliveries(len(counts)) if counts.count(1) == len(counts) \
-                else pa.array(counts, pa.int32())
+            delivery_count = _delivery_count([deliveries[p] for p in positions])
             parts.append(self._one_put_table(live, table, RowCut(indices), delivery_count))
             for j, p in enumerate(positions):
                 where[p] = (k, j)
@@ -450,6 +447,13 @@ _ONES = pa.array(np.ones(1024, np.int32))
 
 #: ``_ONES``' first n, by n, made once each.
 _ONES_BY_LENGTH: dict[int, pa.Array] = {}
+
+
+def _delivery_count(deliveries: list[int]) -> pa.Array:
+    """The ``delivery_count`` column of rows delivered that many times each."""
+    if deliveries.count(1) == len(deliveries):
+        return _first_deliveries(len(deliveries))
+    return pa.array(deliveries, pa.int32())
 
 
 def _first_deliveries(n: int) -> pa.Array:
