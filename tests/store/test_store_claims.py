@@ -316,7 +316,9 @@ def test_lease_expiry_makes_rows_ready(any_store, wait_until):
     _fill(s, "t", ["a_0_0", "b_0_0"])
     claim = s.claim("t", 2, lease_seconds=0.2)
     assert claim.expires_at <= time.time() + 0.2 + 1e-3
-    assert not s.claim("t", 2)
+    # While the lease runs nobody else gets its rows (a slow machine may be past its end by
+    # the time the second claim is answered: then the rows are rightly ready again).
+    assert not s.claim("t", 2) or time.time() >= claim.expires_at
     _wait_ready(s, wait_until, "t", 2)
     assert _stats(s)["processing"] == 0
     with pytest.raises(LeaseExpired, match=claim.claim_id):
