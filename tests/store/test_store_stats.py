@@ -1,6 +1,9 @@
 """Stats: rows by state add up, per table and per version."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 STATES = ("pending", "ready", "processing", "consumed", "stale", "dead")
@@ -60,7 +63,9 @@ def test_states_add_up_through_a_lease(any_store, wait_until, settle):
     s.create_table("t", {"reward": "float64"}, max_deliveries=2)
     s.put("t", {"sample_id": [f"q{i}_0_0" for i in range(5)], "reward": [1.0] * 5})
     claim = s.claim("t", 3, lease_seconds=0.2 if settle == "expire" else 60)
-    assert _states(s)["processing"] == 3
+    # (the 0.2 s lease may have ended before a slow machine answers the stats: then its rows
+    # are rightly ready again)
+    assert _states(s)["processing"] == 3 or time.time() >= claim.expires_at
     if settle == "ack":
         s.ack(claim.claim_id)
         assert _states(s)["consumed"] == 3
@@ -81,9 +86,6 @@ def test_states_add_up_through_a_lease(any_store, wait_until, settle):
 
 def test_states_add_up_under_concurrent_load(any_store):
     """Stats taken while producers, trainers and lease expiries run still add up."""
-    import threading
-    import time
-
     s = any_store
     s.create_table("t", {"reward": "float64"}, max_deliveries=3)
     stop = threading.Event()
@@ -120,17 +122,24 @@ def test_states_add_up_under_concurrent_load(any_store):
     for t in threads:
         t.start()
     try:
-        deadline = time.monotonic() + 3
+        # Stats beside the load for 3 s at least, and on until the trainers have consumed rows
+        # and left some to be delivered again or dead-lettered (a slow machine gets there
+        # later, not never).
+        started = time.monotonic()
         checks = 0
-        while time.monotonic() < deadline:
+        while True:
             st = s.stats("t")["t"]
             assert sum(st[k] for k in STATES) == st["rows"], st
             assert all(st[k] >= 0 for k in STATES), st
             checks += 1
+            waited = time.monotonic() - started
+            if waited >= 3 and checks > 10 and st["consumed"] > 0 \
+                    and st["dead"] + st["ready"] > 0:
+                break
+            assert waited < 120, f"the load made no such progress in 120 s ({checks} checks): {st}"
     finally:
         stop.set()
         for t in threads:
             t.join(30)
     assert not errors, errors
-    st = s.stats("t")["t"]
-    assert checks > 10 and st["consumed"] > 0 and st["dead"] + st["ready"] > 0
+    _check_sum(s.stats("t")["t"])
