@@ -71,7 +71,7 @@ def test_a_producer_killed_mid_put_loses_nothing_flushed_and_a_restart_doubles_n
                 w.write({"sample_id": f"q{i}_0_0", "prompt": "p" * 64, "reward": float(i)})
         seen: list[str] = []
         with s.subscribe("t", micro_batch_size=8, global_batch_size=total,
-                         idle_timeout=2) as sub:
+                         idle_timeout=30) as sub:
             for mb in sub:
                 seen += mb.data.column("sample_id").to_pylist()
                 mb.ack()
