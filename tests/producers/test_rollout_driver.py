@@ -15,6 +15,7 @@ from producers.rollout.tiny_lm import ByteTokenizer, TinyLMBackend, build_tiny_l
 from producers.rollout.weights import publish_state_dict  # noqa: E402
 from producers.writer import ExperienceWriter  # noqa: E402
 from thread_helpers import run_threads  # noqa: E402
+from waiting import wait_until  # noqa: E402
 
 COLUMNS = {**ROLLOUT_COLUMNS, "next_agent_id": "int32"}
 
@@ -117,6 +118,9 @@ def test_weights_that_cannot_be_loaded_are_named_when_the_wait_ends(s, tmp_path)
         for published in (tmp_path / "weights").iterdir():
             published.unlink()                       # what this machine sees of the trainer's disk
         assert s.bump_version("solver", expected=0, weights_uri=uri) == 1
+        # The writer's version watch learns of the bump and tries the load on its own thread;
+        # the rollout's short wait below must not race that on a slow machine.
+        wait_until(lambda: driver.reload_errors, timeout=30, message="the failed load")
         with pytest.raises(TimeoutError) as raised:
             driver.rollout(RolloutRequest("q0", "x"), min_version=1, timeout=2)
     message = str(raised.value)
