@@ -27,6 +27,11 @@ those samples, at the price of holding more leases: the subscription's ``max_in_
 at least the number of micro-batches per global batch, and its lease longer than one global batch
 takes.
 
+Stopping: ``run(..., stop=event)`` ends when another thread sets ``event``, whether the loop
+waits for a micro-batch or its bump waits at the version group's barrier for another agent's
+trainer, as :meth:`consumers.trainer.TorchTrainer.run` does (:mod:`consumers.stopping`);
+nothing is acked that was not trained on.
+
 Example (assuming ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` are set)::
 
     from consumers.trainer import grpo_loss
@@ -42,6 +47,7 @@ Example (assuming ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` are se
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -51,8 +57,10 @@ import torch
 
 from consumers.accumulation import GradientAccumulator
 from consumers.acks import PendingAcks
+from consumers.stopping import bump, check_takes_stop, micro_batches_until
 from consumers.torch_collate import TorchBatch, collate
 from producers.rollout.weights import prune_published, publish_state_dict
+from store.subscription import STOP_POLL_SECONDS, BumpStopped
 
 __all__ = ["MicroBatchLike", "LossFn", "StepReport", "DeepSpeedTrainLoop", "deepspeed_config",
            "check_gradient_dtypes", "full_state_dict"]
@@ -250,19 +258,41 @@ class DeepSpeedTrainLoop:
         bump_version: Callable[..., Any],
         *,
         max_steps: int | None = None,
+        stop: threading.Event | None = None,
+        poll: float = STOP_POLL_SECONDS,
     ) -> Iterator[StepReport]:
         """Train on ``micro_batches``; yield a :class:`StepReport` after each optimizer step.
 
         ``bump_version(weights_uri=uri)`` is called after each step; its return value (the new
-        version) is reported. Stops after ``max_steps`` steps or when the iterator ends; a partial
-        global batch at the end is not stepped (its micro-batches are left unacked when
-        ``ack_at_step`` so they are re-delivered).
+        version) is reported. Stops after ``max_steps`` steps, when the iterator ends, or when
+        ``stop`` is set; a partial global batch at the end is not stepped (its micro-batches are
+        left unacked when ``ack_at_step`` so they are re-delivered).
+
+        ``stop`` (an event another thread sets) ends the loop at the next micro-batch: a
+        subscription is then asked for one ``poll`` seconds at a time (its ``idle_timeout``
+        still ends the loop), so a trainer waiting for rows that never come stops too. It also
+        ends a bump waiting at the version group's barrier for another agent's trainer
+        (``bump_version`` is then called with ``stop=``, as a subscription's takes): that global
+        batch was trained on, stepped, published and acked, the version did not move, its
+        arrival stays at the barrier, and nothing is yielded for it (see
+        :mod:`consumers.stopping`). Close the subscription afterwards (its in-flight
+        micro-batches are nacked; a remote one stops the server waiting for the bump). With
+        several ranks, set the event on every rank: a rank that stops alone leaves the
+        others waiting in DeepSpeed's collectives.
+
+        Raises:
+            TypeError: ``stop`` is given but ``bump_version`` takes no ``stop`` keyword.
         """
+        check_takes_stop(bump_version, stop)
         pending: list[MicroBatchLike] = []
         device = getattr(self.engine, "device", torch.device("cpu"))
         if max_steps is not None and max_steps <= 0:
             return
         steps_at_start = self.step
+        if stop is not None:
+            micro_batches = micro_batches_until(
+                micro_batches, stop=stop, poll=poll,
+                idle_timeout=getattr(micro_batches, "idle_timeout", None))
         for mb in micro_batches:
             batch = self.collate_fn(mb.data).to(device)
             if self._managed:
@@ -278,7 +308,11 @@ class DeepSpeedTrainLoop:
             if self._managed:
                 self.engine.step()  # a no-op unless the boundary was set above
             if mb.is_boundary:
-                yield self._finish_step(pending, bump_version)
+                try:
+                    report = self._finish_step(pending, bump_version, stop)
+                except BumpStopped:
+                    return
+                yield report
                 pending = []
                 # Stop here, not at the next item: pulling one more would claim (and strand) a
                 # micro-batch of the next global batch.
@@ -297,7 +331,8 @@ class DeepSpeedTrainLoop:
                 self.engine.zero_grad()
             raise
 
-    def _finish_step(self, pending: list[MicroBatchLike], bump_version: Callable[..., Any]) -> StepReport:
+    def _finish_step(self, pending: list[MicroBatchLike], bump_version: Callable[..., Any],
+                     stop: threading.Event | None) -> StepReport:
         micro, loss = self.accumulator.micro_batches, self.accumulator.mean_loss
         count = self.accumulator.finish()
         if not self._managed:
@@ -307,7 +342,7 @@ class DeepSpeedTrainLoop:
         for mb in pending:
             self._acks.send(mb)
         self._acks.settle()
-        version = bump_version(weights_uri=uri)
+        version = bump(bump_version, uri, stop)
         if self.keep_last is not None:
             prune_published(self.weights_dir, self.keep_last, name=self.name)
         return StepReport(self.step, micro, count, loss, uri, version if isinstance(version, int) else None)

@@ -62,6 +62,7 @@ import torch
 from consumers.accumulation import GradientAccumulator
 from consumers.acks import PendingAcks
 from consumers.grpo import clipped_policy_loss, token_logprobs
+from consumers.stopping import bump, micro_batches_until
 from consumers.torch_collate import TorchBatch, collate
 from store.subscription import BumpStopped
 from producers.rollout.weights import prune_published, publish_state_dict
@@ -216,8 +217,7 @@ class TorchTrainer:
             self._acks.send(mb)
         self._acks.settle()
         try:
-            version = int(sub.bump_version(weights_uri=uri) if stop is None
-                          else sub.bump_version(weights_uri=uri, stop=stop))
+            version = int(bump(sub.bump_version, uri, stop))
         except BumpStopped:
             self.samples += self._global_samples
             self._global_samples, self._global_busy = 0, 0.0
@@ -256,17 +256,10 @@ class TorchTrainer:
         """
         if self.ack_at_step:
             _check_holds_a_global_batch(sub)
+        if max_steps is not None and max_steps <= 0:
+            return
         steps_at_start = self.step
-        last = time.monotonic()
-        while max_steps is None or self.step - steps_at_start < max_steps:
-            if stop is not None and stop.is_set():
-                return
-            mb = sub.next(timeout=poll)
-            if mb is None:
-                if idle_timeout is not None and time.monotonic() - last > idle_timeout:
-                    return
-                continue
-            last = time.monotonic()
+        for mb in micro_batches_until(sub, stop=stop, idle_timeout=idle_timeout, poll=poll):
             self.train_micro_batch(mb)
             if mb.is_boundary:
                 try:
@@ -274,6 +267,10 @@ class TorchTrainer:
                 except BumpStopped:
                     return
                 yield report
+                # Stop here, not at the next micro-batch: asking for it would claim (and
+                # strand) rows of the next global batch.
+                if max_steps is not None and self.step - steps_at_start >= max_steps:
+                    return
 
 
 def _check_holds_a_global_batch(sub: Any) -> None:

@@ -396,3 +396,134 @@ def test_an_ack_that_fails_stops_the_step_with_the_weights_untouched(tmp_path) -
     assert bumps == [] and loop.step == 0
     assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
     assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").iterdir())
+
+
+@contextlib.contextmanager
+def store_via(via: str, tmp_path: Any) -> Iterator[Any]:
+    """The embedded store on a DuckDB file, or a remote one through a Flight server over one."""
+    import store
+    from flight_fixtures import running_server
+
+    with contextlib.ExitStack() as stack:
+        if via == "embedded":
+            yield stack.enter_context(store.connect(str(tmp_path / "x.duckdb")))
+        else:
+            server = stack.enter_context(running_server(tmp_path / "x.duckdb"))
+            yield stack.enter_context(store.connect(server.location))
+
+
+def run_in_thread(loop: Any, sub: Any, stop: Any) -> tuple[Any, list[Any], list[BaseException]]:
+    """``loop.run(sub, sub.bump_version, stop=stop)`` on a thread: (thread, reports, errors)."""
+    import threading
+
+    reports: list[Any] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            reports.extend(loop.run(sub, sub.bump_version, stop=stop))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread, reports, errors
+
+
+STOP_COLUMNS = {"token_ids": "list<int32>", "logprobs": "list<float32>", "prompt_len": "int32",
+                "reward": "float64", "advantage": "float32"}
+
+
+@pytest.mark.parametrize("via", ["embedded", "flight"])
+def test_stop_ends_a_loop_waiting_at_the_barrier(tmp_path, via: str) -> None:
+    """Two agents share a version group; only the solver trains, so its bump waits at the
+    barrier for a verifier that never arrives. Before, the loop had no stop: it waited for the
+    group's barrier timeout (600 s)."""
+    import threading
+
+    from consumers.deepspeed_loop import DeepSpeedTrainLoop, deepspeed_config
+    from waiting import wait_until
+
+    with store_via(via, tmp_path) as s:
+        for agent in ("solver", "verifier"):
+            s.create_table(agent, STOP_COLUMNS, version_group="team")
+        s.put("solver", make_global_batch(5).drop_columns(["input_id"]))
+        model = build_tiny_lm(seed=8)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model.parameters()),
+                                          config=deepspeed_config(micro_batch_size=4, global_batch_size=8))
+        loop = DeepSpeedTrainLoop(engine, lambda eng, b: grpo_loss(eng, b), tmp_path / "weights")
+        stop = threading.Event()
+        with contextlib.closing(s.subscribe("solver", micro_batch_size=4, global_batch_size=8)) as sub:
+            thread, reports, errors = run_in_thread(loop, sub, stop)
+            try:
+                wait_until(lambda: errors or s.barrier("solver")["arrived"] == ["solver"], timeout=60,
+                           message="the solver's arrival at the barrier")
+                assert errors == []
+                stop.set()
+                thread.join(timeout=5)
+                assert not thread.is_alive(), "stop did not end the bump waiting at the barrier"
+            finally:
+                stop.set()
+                thread.join(timeout=30)
+        assert errors == [] and reports == []
+        # The step was taken on the whole global batch and its micro-batches acked; the version
+        # did not move and the arrival stays, so the other agent still completes the round.
+        assert loop.step == 1
+        stats = s.stats("solver")["solver"]
+        assert (stats["consumed"], stats["processing"]) == (8, 0)
+        assert s.get_version("solver") == 0
+        assert s.barrier("verifier")["arrived"] == ["solver"]
+        assert s.arrive("verifier", expected=0) == 1
+
+
+def test_stop_ends_a_loop_waiting_for_a_micro_batch_acking_nothing_untrained(tmp_path) -> None:
+    """Half a global batch is ready and no more comes, and the subscription has no idle
+    timeout: before, the loop waited for the next micro-batch for ever. With ``ack_at_step``
+    the trained half stays unacked (no step used it), so closing the subscription gives it
+    back."""
+    import threading
+
+    from consumers.deepspeed_loop import DeepSpeedTrainLoop, deepspeed_config
+    from waiting import wait_until
+
+    with store_via("embedded", tmp_path) as s:
+        s.create_table("solver", STOP_COLUMNS)
+        s.put("solver", make_global_batch(5).drop_columns(["input_id"]).slice(0, 4))
+        model = build_tiny_lm(seed=8)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model.parameters()),
+                                          config=deepspeed_config(micro_batch_size=4, global_batch_size=8))
+        loop = DeepSpeedTrainLoop(engine, lambda eng, b: grpo_loss(eng, b), tmp_path / "weights",
+                                  ack_at_step=True)
+        stop = threading.Event()
+        with contextlib.closing(s.subscribe("solver", micro_batch_size=4, global_batch_size=8)) as sub:
+            thread, reports, errors = run_in_thread(loop, sub, stop)
+            try:
+                wait_until(lambda: errors or s.stats("solver")["solver"]["processing"] == 4, timeout=60,
+                           message="the first micro-batch claimed")
+                assert errors == []
+                stop.set()
+                thread.join(timeout=5)
+                assert not thread.is_alive(), "stop did not end the wait for a micro-batch"
+            finally:
+                stop.set()
+                thread.join(timeout=30)
+            assert errors == [] and reports == [] and loop.step == 0
+            assert s.stats("solver")["solver"]["consumed"] == 0
+        stats = s.stats("solver")["solver"]
+        assert (stats["consumed"], stats["processing"], stats["ready"]) == (0, 0, 4)
+
+
+def test_a_stop_that_the_bump_cannot_take_is_refused_before_training(tmp_path) -> None:
+    import threading
+
+    from consumers.deepspeed_loop import DeepSpeedTrainLoop, deepspeed_config
+
+    model = build_tiny_lm(seed=6)
+    cfg = deepspeed_config(micro_batch_size=4, global_batch_size=8, zero_stage=0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    log: list[str] = []
+    loop = DeepSpeedTrainLoop(engine, lambda eng, b: grpo_loss(eng, b), tmp_path)
+    with pytest.raises(TypeError, match="takes no 'stop' keyword"):
+        list(loop.run(items([make_global_batch(3)], log), lambda *, weights_uri: 1,
+                      stop=threading.Event()))
+    assert log == [] and loop.step == 0
