@@ -460,7 +460,8 @@ def test_stop_ends_a_loop_waiting_at_the_barrier(tmp_path, via: str) -> None:
                            message="the solver's arrival at the barrier")
                 assert errors == []
                 stop.set()
-                thread.join(timeout=5)
+                # (the barrier would hold it for its 600 s timeout; a stop takes about a second)
+                thread.join(timeout=60)
                 assert not thread.is_alive(), "stop did not end the bump waiting at the barrier"
             finally:
                 stop.set()
@@ -502,7 +503,8 @@ def test_stop_ends_a_loop_waiting_for_a_micro_batch_acking_nothing_untrained(tmp
                            message="the first micro-batch claimed")
                 assert errors == []
                 stop.set()
-                thread.join(timeout=5)
+                # (with no idle timeout the wait would never end; a stop takes a poll)
+                thread.join(timeout=60)
                 assert not thread.is_alive(), "stop did not end the wait for a micro-batch"
             finally:
                 stop.set()
