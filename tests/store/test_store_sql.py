@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from store.errors import QueryRefused, QueryTimeout
+from store.errors import QueryBusy, QueryRefused, QueryTimeout
 
 SNAPSHOT = "SELECT * EXCLUDE (updated_at) FROM solver ORDER BY sample_id"
 
@@ -166,7 +166,18 @@ def test_runaway_query_times_out(agents):
     assert s.claim("solver", 10).num_rows == 4
 
 
-def test_queries_do_not_starve_writes_and_claims(agents):
+def _query_slots_taken(s) -> bool:
+    """Whether a query finds every query slot taken (it is refused with QueryBusy)."""
+    try:
+        s.query("SELECT 1", timeout=0.1)
+    except QueryBusy:
+        return True
+    except QueryTimeout:  # a slow machine ran past the probe's own limit
+        pass
+    return False
+
+
+def test_queries_do_not_starve_writes_and_claims(agents, wait_until):
     s = agents
     # Warm up the write and claim paths, so that first-call costs are not measured.
     s.ack(s.claim("solver", 1).claim_id)
@@ -183,17 +194,22 @@ def test_queries_do_not_starve_writes_and_claims(agents):
     threads = [threading.Thread(target=runaway) for _ in range(2)]
     for t in threads:
         t.start()
-    worst = 0.0
-    for i in range(10):
-        t0 = time.monotonic()
+    wait_until(lambda: _query_slots_taken(s), timeout=30,
+               message="the runaway queries holding both query slots")
+    # A put, claim or ack that waited for a query would be answered only once the queries
+    # ended (at their 3 s limit). Counted: the rounds answered while both still ran, however
+    # long each took on this machine.
+    answered_while_running, i = 0, 0
+    while answered_while_running < 10 and all(t.is_alive() for t in threads):
         s.put("solver", {"sample_id": [f"w{i}_0_0"], "response": ["r"], "reward": [1.0],
                          "next_agent_id": [0]})
         claim = s.claim("solver", 1)
         s.ack(claim.claim_id)
-        worst = max(worst, time.monotonic() - t0)
-    busy = any(t.is_alive() for t in threads)
+        i += 1
+        answered_while_running += all(t.is_alive() for t in threads)
     for t in threads:
         t.join(30)
     assert not errors, errors
-    assert busy, "the runaway queries ended before the writes were measured"
-    assert worst < 1.5, f"a put+claim+ack took {worst:.2f} s while queries ran"
+    assert answered_while_running >= 3, (
+        f"{answered_while_running} of {i} put+claim+ack rounds were answered while the "
+        "queries ran")
