@@ -624,10 +624,18 @@ def export(table: str | None, sql: str | None, output: str, fmt: str | None, chu
 
 
 @cli.command()
+@click.option("--drop", "drop_rows", multiple=True,
+              type=click.Choice(["consumed", "stale", "dead"]),
+              help="First delete the rows in this state (repeatable) whose policy version is "
+                   "below the table's version minus its max_staleness (no write can reach "
+                   "them any more), so that their values can go too.")
 @store_options()
 @json_option
-def gc(target: Target, as_json: bool) -> None:
+def gc(drop_rows: tuple[str, ...], target: Target, as_json: bool) -> None:
     """Delete blob segments that no row references any more.
+
+    Consumed, stale and dead rows are kept (for SQL) until --drop deletes them: without it a
+    long-running store grows with every row ever written.
 
     On a cluster's coordinator, also each data node's segments that no row names (once they
     are older than the cluster's --gc-grace); the answer has a line per data node.
@@ -635,10 +643,11 @@ def gc(target: Target, as_json: bool) -> None:
     \b
     Example:
         expstore gc --db ./expstore.duckdb
+        expstore gc --uri grpc://127.0.0.1:8815 --drop consumed --drop stale
         expstore gc --uri grpc://127.0.0.1:8815 --token $ADMIN_TOKEN --json
     """
     with target.open() as s:
-        result = s.gc()
+        result = s.gc(drop_rows=list(drop_rows)) if drop_rows else s.gc()
     if as_json:
         echo_json(result)
     else:

@@ -165,7 +165,7 @@ def _health(s: EmbeddedStore, b: dict[str, Any]) -> Any:
 
 
 def _gc(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return s.gc()
+    return s.gc(drop_rows=b.get("drop_rows", ()))
 
 
 def _checkpoint(s: EmbeddedStore, b: dict[str, Any]) -> Any:
@@ -208,7 +208,9 @@ ACTIONS: dict[str, ActionSpec] = {a.name: a for a in [
                _describe),
     ActionSpec("list_tables", "reader", "Names of the experience tables. Body: {}", _list_tables),
     ActionSpec("health", "reader", "Liveness and basic counters. Body: {}", _health),
-    ActionSpec("gc", "admin", "Delete blob segments no row references. Body: {}", _gc),
+    ActionSpec("gc", "admin", "Delete finished rows no write can reach (drop_rows: some of "
+               "consumed, stale, dead), then blob segments no row references. Body: "
+               "{drop_rows?: [state]}", _gc),
     ActionSpec("checkpoint", "admin", "Fold the WAL into the database file. Body: {}",
                _checkpoint),
 ]}

@@ -470,8 +470,8 @@ class RemoteStore:
     def health(self) -> dict[str, Any]:
         return self._json("health")
 
-    def gc(self) -> dict[str, int]:
-        return self._json("gc")
+    def gc(self, *, drop_rows: Any = ()) -> dict[str, int]:
+        return self._json("gc", {"drop_rows": drop_rows} if drop_rows != () else {})
 
     def checkpoint(self) -> None:
         self._json("checkpoint")

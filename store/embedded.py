@@ -41,6 +41,7 @@ from .prepare import SMALL_ROWS, check_columns, put_timeout, put_versions, to_ar
 from .putlog import PutLog, log_path, replay
 from .readers import Readers
 from .recovery import load_state
+from .retention import check_drop_rows, drop_finished_rows
 from .schema import TableDef
 from .settings import StoreSettings
 from .sqlguard import check_query_options, check_select
@@ -655,9 +656,23 @@ class EmbeddedStore:
             return sorted(out, key=lambda d: d["expires_at"])
 
     # -- maintenance ------------------------------------------------------------------------------
-    def gc(self) -> dict[str, int]:
-        """Delete blob segments no row references."""
+    def gc(self, *, drop_rows: Any = ()) -> dict[str, int]:
+        """Delete blob segments no row references; first, with ``drop_rows`` (some of
+        ``"consumed"``, ``"stale"``, ``"dead"``), the rows in those states that no write can
+        reach any more (store/retention.py): without it a consumed row and its values stay for
+        ever. Answers ``segments_removed``, ``bytes_freed`` and ``rows_dropped``.
+
+        Raises:
+            InvalidArgument: ``drop_rows`` names something else.
+        """
+        states = check_drop_rows(drop_rows)
+
         def run(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+            dropped = 0
+            for live in self._index.live.values():
+                dropped += drop_finished_rows(
+                    con, live.tdef.name, states,
+                    self._index.version_of(live) - live.tdef.max_staleness)
             self.blobs.roll()
             live_segments: set[int] = set()
             for live in self._index.live.values():
@@ -668,7 +683,7 @@ class EmbeddedStore:
                             f"FROM {quote(live.tdef.name)} WHERE {quote(c.ref)} IS NOT NULL"
                         ).fetchall()
                         live_segments.update(int(r[0]) for r in rows)
-            return self.blobs.collect(live_segments)
+            return {**self.blobs.collect(live_segments), "rows_dropped": dropped}
         return self._writer.call(CallOp(run))
 
     def checkpoint(self) -> None:

@@ -509,6 +509,19 @@ def test_gc(seeded):
     assert "segments_removed" in ok(seeded.run("gc")).stdout
 
 
+def test_gc_drop_deletes_consumed_rows_out_of_reach_on_both_backends(seeded):
+    with seeded.open() as s:
+        s.ack(s.claim("solver", 10).claim_id)
+    assert as_json(seeded.run("gc", "--drop", "consumed", "--json"))["rows_dropped"] == 0
+    ok(seeded.run("version", "bump", "solver"))     # version 0 is out of reach (max_staleness 0)
+    out = as_json(seeded.run("gc", "--drop", "consumed", "--drop", "stale", "--json"))
+    assert out["rows_dropped"] == 10 + (ROWS - 10 - 1)  # all but the newest row
+    assert "rows_dropped" in ok(seeded.run("gc", "--drop", "consumed")).stdout
+    stats = as_json(seeded.run("stats", "solver", "--json"))["solver"]
+    assert stats["rows"] == 1 and stats["consumed"] == 0
+    fails(seeded.run("gc", "--drop", "ready"), 2, "'ready'")
+
+
 def test_migrate(tmp_path):
     import migrations
 
