@@ -83,7 +83,6 @@ class Target:
                 raise click.ClickException(
                     f"--uri {self.uri!r} is not a server address; expected grpc://HOST:PORT "
                     f"(e.g. grpc://{self.uri}), or --db for a database file")
-            _check_listening(self.uri)
             options: dict[str, Any] = {}
             if self.token:
                 options["token"] = self.token
@@ -101,37 +100,6 @@ class Target:
             yield s
         finally:
             s.close()
-
-
-def _check_listening(uri: str) -> None:
-    """Fail at once, naming the address, where nothing listens: the client would otherwise keep
-    retrying the refused connection for its whole connect timeout (~10 s)."""
-    import socket
-    from urllib.parse import urlsplit
-
-    from store import REMOTE_SCHEMES
-
-    if not uri.startswith(REMOTE_SCHEMES):
-        return  # store.connect names the scheme it does not know
-    try:
-        parts = urlsplit(uri)
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        return  # the client names what is wrong with the address
-    if not host or port is None:
-        return
-    try:
-        with socket.create_connection((host, port), timeout=5):
-            pass
-    except ConnectionRefusedError:
-        raise click.ClickException(
-            f"no expstore server listens at {host}:{port} (connection refused); start one with "
-            f"`expstore serve --port {port}`, or check --uri / EXPSTORE_URI") from None
-    except socket.gaierror as e:
-        raise click.ClickException(f"the host {host!r} of {uri} is unknown ({e.strerror}); "
-                                   "check --uri / EXPSTORE_URI") from None
-    except OSError:
-        return  # unreachable or slow: the client waits for it and says so
 
 
 def db_option(f: Callable) -> Callable:

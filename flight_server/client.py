@@ -22,6 +22,7 @@ from store.prepare import NO_ROWS, put_timeout, to_arrow_table
 from store.schema import TableDef, check_column_mapping
 
 from . import wire
+from .reachable import check_listening
 from .session_client import Answer, SessionChannel, json_answer
 from .wire.errors import from_flight
 
@@ -42,6 +43,8 @@ NO_CLAIM_TICKETS = "ticket must be a JSON object {\"sql\""
 ARRIVE_POLL_SECONDS = 60.0
 RECONNECT_SECONDS = 120.0
 CLAIM_STREAMS = ("auto", "always", "never")
+# How long a client waits for a server that accepted its connection to answer, unless told.
+DEFAULT_CONNECT_SECONDS = 10.0
 # A claim whose answer should hold at least this many bytes comes as a do_get stream.
 STREAM_CLAIM_BYTES = 512 * 1024
 
@@ -54,6 +57,11 @@ class RemoteStore:
         token: bearer token when the server has auth on.
         tls_root_certs: PEM bytes or a path, to trust a self-signed server certificate.
         timeout: default seconds per call (None: no limit).
+        connect_timeout: seconds to wait for the server, a server still starting included
+            (its port refusing connections until it listens). None (the default): fail at once
+            where nothing listens (a refused connection: a wrong port, no server running), and
+            wait up to DEFAULT_CONNECT_SECONDS for a server that accepts the connection to
+            answer.
         sessions: send claims, acks, nacks and small puts on one long-lived ``do_exchange``
             session (a fraction of a ``do_action`` or ``do_put`` call's cost); False: one call
             each (what a server without sessions, from before they existed, needs).
@@ -67,7 +75,7 @@ class RemoteStore:
 
     def __init__(self, uri: str, *, token: str | None = None,
                  tls_root_certs: bytes | str | None = None, timeout: float | None = 60.0,
-                 connect_timeout: float = 10.0, sessions: bool = True,
+                 connect_timeout: float | None = None, sessions: bool = True,
                  claim_streams: str = "auto") -> None:
         if claim_streams not in CLAIM_STREAMS:
             raise InvalidArgument(f"claim_streams {claim_streams!r} is unknown; expected one of "
@@ -96,7 +104,10 @@ class RemoteStore:
         self._claim_streams: bool | None = None  # whether the server serves them (None: unknown)
         self._wait_ready(connect_timeout)
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float | None) -> None:
+        if timeout is None:
+            check_listening(self.uri)
+            timeout = DEFAULT_CONNECT_SECONDS
         try:
             self._client.wait_for_available(timeout=timeout)
         except (flight.FlightUnauthenticatedError, flight.FlightUnauthorizedError):
