@@ -156,8 +156,8 @@ def open_error(path: str, e: BaseException) -> Exception:
     if "lock" in text.lower():
         return StorageError(
             f"database {path!r} is in use by another process (only one process can write a "
-            f"DuckDB file; when a server owns it, connect to the server with --uri grpc://…): "
-            f"{text}")
+            f"DuckDB file; when a server owns it, connect to the server with --uri grpc://…, "
+            f"or stop it first for expstore migrate or another expstore serve): {text}")
     if "version" in text.lower() and "storage" in text.lower():
         return CatalogOutdated(f"database {path!r} was written by a newer DuckDB/expstore than "
                                f"this one can read; upgrade expstore: {text}")

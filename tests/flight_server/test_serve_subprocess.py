@@ -338,6 +338,12 @@ def test_serve_refuses_a_locked_database(start_server, tmp_path):
     err = second.stderr_path.read_text()
     assert "in use by another process" in err and "Traceback" not in err
     assert "See also http" not in err  # DuckDB's documentation link is not the operator's cause
+    assert "stop it first" in err      # a second serve cannot use --uri instead
+    # migrate has no --uri: its message says what it needs, not to connect to the server
+    migrate = CliRunner().invoke(cli, ["migrate", "--db", str(db)], env={"EXPSTORE_URI": None})
+    assert migrate.exit_code == 1 and "Traceback" not in migrate.output
+    assert "in use by another process" in migrate.output
+    assert "stop it first for expstore migrate" in migrate.output
     assert first.stop(signal.SIGTERM) == 0
 
 
