@@ -163,10 +163,17 @@ def run_demo(db: str = "./expstore.duckdb", *, port: int = 0, config: DemoConfig
     """Run the demo and return its summary (see docs/demo.md for the fields).
 
     ``device`` is where the models roll out and train (``"cuda"`` for the first GPU).
+
+    Raises:
+        InvalidArgument: ``port`` is in use (or cannot be listened on), checked before anything
+            starts, as ``expstore serve`` checks it.
     """
     import pyarrow as pa
     import torch
 
+    from flight_server.listening import check_can_listen
+
+    check_can_listen("127.0.0.1", port)
     torch_device = _torch_device(device)
 
     from consumers.torch_collate import collate
@@ -182,7 +189,7 @@ def run_demo(db: str = "./expstore.duckdb", *, port: int = 0, config: DemoConfig
     torch.set_num_threads(1)  # several tiny models at once: one thread each beats contention
     try:
         server = ExpstoreFlightServer(db, host="127.0.0.1", port=port)
-    except pa.ArrowException as e:
+    except pa.ArrowException as e:  # the port was taken after the check above
         torch.set_num_threads(threads)
         raise OSError(f"the Flight server could not listen on 127.0.0.1:{port} ({e}); "
                       "is the port in use? --port 0 picks a free one") from e

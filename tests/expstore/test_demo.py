@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -90,21 +95,38 @@ def test_quick_demo_on_cuda(tmp_path, device: str) -> None:
     assert summary["device"] == "cuda"
 
 
-def test_the_console_script_ends_with_the_summary(tmp_path) -> None:
-    """`expstore demo` as a user runs it: exit status 0 and the summary last on the terminal
-    (no teardown noise from native modules after it)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    db = str(tmp_path / "console.duckdb")
+def run_console(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``expstore ARGS`` in a process of its own, as a user runs it: what native modules
+    (gRPC, DuckDB) write on the process's stderr is in ``stderr`` too."""
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)}
-    done = subprocess.run(
-        [sys.executable, "-c", "from expstore.cli import main; main()", "demo", "--db", db,
-         "--quick"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    return subprocess.run([sys.executable, "-c", "from expstore.cli import main; main()", *args],
+                          capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+
+
+def test_the_console_script_ends_with_the_summary(tmp_path) -> None:
+    """`expstore demo` as a user runs it: exit status 0 and the summary last on the terminal
+    (no teardown noise from native modules after it)."""
+    db = str(tmp_path / "console.duckdb")
+    done = run_console(tmp_path, "demo", "--db", db, "--quick")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "expstore query --db" in done.stdout.strip().splitlines()[-1]
     assert "leaked" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_port_in_use_is_one_line_naming_it(tmp_path) -> None:
+    """Before, gRPC's C-core log lines ("Failed to add port to server", "Server did not start
+    properly") came above the demo's own message; now the port is checked as `expstore serve`
+    checks it, before anything starts."""
+    db = tmp_path / "busy.duckdb"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = run_console(tmp_path, "demo", "--db", str(db), "--port", str(port), "--quick")
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert f"port {port} on 127.0.0.1 is in use" in lines[0] and "--port" in lines[0], lines
+    assert done.stdout == "" and not db.exists()
