@@ -39,7 +39,7 @@ STORE_LAYERS = {
     # here because a request's predicate is checked by the SQL guard, which parses with DuckDB
     "store.opening": STORAGE, "store.sources": STORAGE, "store.sqlguard": STORAGE,
     "store.sqlvalues": STORAGE, "store.putlog": STORAGE, "store.storage_fault": STORAGE,
-    "store.claims": STORAGE, "store.interface": STORAGE,
+    "store.claims": STORAGE, "store.interface": STORAGE, "store.retention": STORAGE,
     # the in-memory index: live rows, leases, the state the writer and the reads share
     "store.live": INDEX, "store.recovery": INDEX, "store.index": INDEX,
     # the writer (group commits, row SQL, settle/bump, checkpoints) and the reads
