@@ -399,17 +399,24 @@ class BlobStore:
         records as it builds the keys (:meth:`know_whole`), else it is checked once per cached
         put. Why all of a claim's columns in one call: a lookup and a lock per
         column were a noticeable share of a claim of a few rows."""
-        chunks = self._whole_chunks(source, key_ats)
-        with self._cache_lock:
-            held = [None if ck is None else self._recent.get(ck) for ck in chunks]
         out: list[pa.Array | None] = []
-        for values, value_type in zip(held, value_types):
+        for values, value_type in zip(self.put_values(source, key_ats), value_types):
             if values is None:
                 out.append(None)
                 continue
-            got = rows.array(values[0])
+            got = rows.array(values)
             out.append(got if got.type == value_type else got.cast(value_type))
         return out
+
+    def put_values(self, source: pa.Table, key_ats: Sequence[int]) -> list[pa.Array | None]:
+        """For each key column ``key_ats[i]`` of ``source`` (a cached put, as for
+        :meth:`put_columns`), the values of every row it refers to, as the chunk kept in memory
+        holds them (row ``j`` of the array is row ``j`` of the put; its type as put, which may
+        differ from the column's declared type); None where no such chunk is held."""
+        chunks = self._whole_chunks(source, key_ats)
+        with self._cache_lock:
+            held = [None if ck is None else self._recent.get(ck) for ck in chunks]
+        return [None if h is None else h[0] for h in held]
 
     def know_whole(self, source: pa.Table,
                    by_column: Mapping[int, tuple[int, int, int] | None]) -> None:

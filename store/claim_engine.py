@@ -11,7 +11,7 @@ claims), and by-reference values are read from the blob store.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -303,28 +303,56 @@ class ClaimEngine:
                             sources: dict[int, tuple[pa.Table, list[int], list[int]]],
                             deliveries: list[int]) -> pa.Table:
         """The claim's table from rows of several cached tables (a claim spanning puts): each
-        table's rows cut as one put's are (:meth:`_one_put_table`), then put into claim order
-        by runs, in one copy.
+        column cut in claim order from the puts' columns, by runs of consecutive rows, in one
+        copy.
 
-        Why not the cached tables' rows cut, joined and their keys resolved one by one: parsing
-        and grouping a key per value in Python made a claim spanning two puts several times as
-        costly as one within a put."""
-        parts: list[pa.Table] = []
-        # (part, row in it) of each claim position
+        A put's columns are taken whole where its values are held in memory
+        (:meth:`_whole_put_columns`: nothing cut or copied yet); where they are not, that put's
+        rows are read and cut first, as a claim within one put's are. Why not every put's rows
+        cut into a table and the tables joined in claim order: that copied each value twice,
+        and built a table per put (A/B in BENCHMARKS.md, "a claim spanning puts")."""
+        columns: list[list[pa.Array | pa.ChunkedArray | None]] = []
+        # (put, row in its columns) of each claim position
         where: list[tuple[int, int]] = [(0, 0)] * len(deliveries)
         for k, (table, indices, positions) in enumerate(sources.values()):
-            delivery_count = _delivery_count([deliveries[p] for p in positions])
-            parts.append(self._one_put_table(live, table, RowCut(indices), delivery_count))
-            for j, p in enumerate(positions):
-                where[p] = (k, j)
-        pieces: list[pa.Table] = []
-        start = 0
-        for p in range(1, len(where) + 1):
-            if p == len(where) or where[p] != (where[p - 1][0], where[p - 1][1] + 1):
-                k, j = where[start]
-                pieces.append(parts[k].slice(j, p - start))
-                start = p
-        return pa.concat_tables(pieces).combine_chunks()
+            whole = self._whole_put_columns(live, table)
+            at: Sequence[int] = indices
+            if whole is None:
+                cut = self._one_put_table(live, table, RowCut(indices),
+                                          _first_deliveries(len(indices)))
+                whole, at = list(cut.columns), range(len(indices))
+            columns.append(whole)
+            for row, p in zip(at, positions):
+                where[p] = (k, row)
+        runs = _runs_across(where)
+        schema = live.tdef.claim_schema()
+        arrays: list[pa.Array] = []
+        for position, field in enumerate(schema):
+            if live.claim_sources[position] < 0:
+                arrays.append(_delivery_count(deliveries))
+                continue
+            pieces: list[pa.Array] = []
+            for k, start, n in runs:
+                part = columns[k][position].slice(start, n)  # type: ignore[union-attr]
+                for piece in part.chunks if isinstance(part, pa.ChunkedArray) else (part,):
+                    pieces.append(piece if piece.type == field.type else piece.cast(field.type))
+            arrays.append(pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces))
+        return pa.Table.from_arrays(arrays, schema=schema)
+
+    def _whole_put_columns(self, live: LiveTable, table: pa.Table
+                           ) -> list[pa.Array | pa.ChunkedArray | None] | None:
+        """Every row of a cached put's claim columns, in claim order (None for
+        ``delivery_count``), sharing the put's buffers: the plain columns as cached, the
+        by-reference ones as the chunks held in memory hold them (row ``j`` of each is row
+        ``j`` of the put); None where a by-reference column's chunk is not held."""
+        layout = self._layout(live, table)
+        held = self._blobs.put_values(table, layout.key_ats)
+        if any(values is None for values in held):
+            return None
+        by_at: dict[int, pa.Array | pa.ChunkedArray] = dict(zip(layout.plain_at,
+                                                                layout.plain.columns))
+        by_at.update((value_at, values) for (value_at, _), values in zip(layout.refs, held))
+        return [None if at < 0 else by_at[at] for at in live.claim_sources]
 
     def _read_values(self, live: LiveTable, claimed: list[Row]) -> Payloads:
         """Values of claimed rows that have none cached, read from DuckDB with those of the next
@@ -464,6 +492,22 @@ def _first_deliveries(n: int) -> pa.Array:
             return pa.array(np.ones(n, np.int32))
         ones = _ONES_BY_LENGTH[n] = _ONES.slice(0, n)
     return ones
+
+
+def _runs_across(where: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(source, first row, length)`` of each run of consecutive rows of one source, in order,
+    from the ``(source, row)`` of each position."""
+    runs: list[tuple[int, int, int]] = []
+    k0, start = where[0]
+    n = 1
+    for k, row in where[1:]:
+        if k == k0 and row == start + n:
+            n += 1
+        else:
+            runs.append((k0, start, n))
+            k0, start, n = k, row, 1
+    runs.append((k0, start, n))
+    return runs
 
 
 def _fills(prefix: list[Row], matched: set[int], limit: int, group_size: int | None) -> bool:

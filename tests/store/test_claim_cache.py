@@ -235,14 +235,17 @@ def test_puts_held_inline_and_by_reference_each_claim_their_own_values(open_stor
         assert _claim_all(s, limit=16) == _by_id(data)
 
 
-@pytest.mark.parametrize("options", [{}, {"blob_recent_bytes": 0}, {"cache_limit": 1}],
-                         ids=["chunks-held", "chunks-on-disk", "second-put-from-duckdb"])
+@pytest.mark.parametrize("options", [{}, {"blob_recent_bytes": 0}, {"blob_recent_bytes": 400_000},
+                                     {"cache_limit": 1}],
+                         ids=["chunks-held", "chunks-on-disk", "first-put-partly-on-disk",
+                              "second-put-from-duckdb"])
 def test_claims_spanning_puts_carry_each_rows_values_and_deliveries(open_store, options):
     """Claims whose rows come from two puts, their groups interleaved in claim order (each
-    put's rows cut as within one put, then put into claim order): every row comes with its own
-    values, by value and by reference, and its own delivery count, in claim order; whether the
-    puts' blob chunks are held in memory or read from disk, and whether a put's rows are cached
-    or read back from DuckDB."""
+    column cut in claim order from both puts' columns): every row comes with its own values,
+    by value and by reference, and its own delivery count, in claim order; whether the puts'
+    blob chunks are held in memory or read from disk, or one put's are held and the other's
+    not (each put's chunks take ~290 KB: 400 KB holds the second's and part of the first's),
+    and whether a put's rows are cached or read back from DuckDB."""
     s = open_store(**options)
     s.create_table("t", COLUMNS, storage={"note": "ref", "response": "ref"}, lease_seconds=60)
     both = _rows("q", 2 * BULK)
