@@ -343,11 +343,15 @@ class ExpstoreFlightServer(flight.FlightServerBase):
             sessions = list(self._sessions)
         for session in sessions:
             session.close()
-        self.store.wake()
+        # Long polls (a producer's wait_version, a trainer's barrier arrival) last minutes:
+        # ended here, they do not hold the shutdown for its grace.
+        self.store.end_waits("the server is shutting down; call again once it is back")
         with self._shutdown_lock:
             if not self._shut_down:
                 super().shutdown()
                 self._shut_down = True
+        if not self._owns_store:
+            self.store.end_waits(None)
 
     def open_sessions(self) -> int:
         """Action sessions open now (each holds a call until its client ends it)."""

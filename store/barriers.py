@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable
 
 from .barrier import DEFAULT_BARRIER_TIMEOUT, Barrier, encode_weights
-from .errors import ExpstoreError, NotFound, StoreClosed, VersionConflict
+from .errors import ExpstoreError, NotFound, StoreClosed, Unavailable, VersionConflict
 from .index import StoreIndex
 
 
@@ -42,6 +42,8 @@ class Barriers:
             while True:
                 if self._closed():
                     raise StoreClosed("the store is closed")
+                if index.waits_ended is not None:  # the arrival stays, as soft state does
+                    raise Unavailable(index.waits_ended)
                 now = time.monotonic()
                 current = index.versions.get(group)
                 if current is None:

@@ -31,7 +31,7 @@ from .blobs import BlobStore
 from .claim_engine import ClaimEngine
 from .claims import Claim, ClaimRequest, claim_requests
 from .errors import AlreadyExists, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
-    StorageError, StoreClosed, TableFull
+    StorageError, StoreClosed, TableFull, Unavailable
 from .index import StoreIndex
 from .live import Lease, LiveTable
 from .naming import check_identifier, quote
@@ -469,6 +469,8 @@ class EmbeddedStore:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._index.changed:
             while self._index.versions.get(group, -1) < min_version and not self._closed:
+                if self._index.waits_ended is not None:
+                    raise Unavailable(self._index.waits_ended)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     break
@@ -558,6 +560,15 @@ class EmbeddedStore:
     @property
     def change_seq(self) -> int:
         return self._index.change_seq
+
+    def end_waits(self, reason: str | None) -> None:
+        """End every long poll (:meth:`wait_version`, :meth:`arrive_poll`), waiting or later,
+        with ``Unavailable(reason)``: a server that stops must not wait for them (they may
+        last minutes); their clients call again once it is back. ``None`` lets them wait again
+        (a server stopped over a store its caller opened gives it back as it was)."""
+        with self._index.changed:
+            self._index.waits_ended = reason
+            self._index.notify()
 
     def wake(self) -> None:
         """Wake everything blocked in :meth:`wait_changed` (e.g. a message arrived)."""

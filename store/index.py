@@ -60,6 +60,9 @@ class StoreIndex:
         #: Notified on every change that a waiter may care about (versions, rows, barriers).
         self.changed = threading.Condition(self.lock)
         self.change_seq = 0
+        #: Set by EmbeddedStore.end_waits (a server stopping): why long polls (wait_version,
+        #: a barrier arrival) end now instead of holding the server's shutdown.
+        self.waits_ended: str | None = None
         self.cache = ClaimCache(settings.cache_bytes)
         self.live: dict[str, LiveTable] = state.live
         self.versions: dict[str, int] = state.versions

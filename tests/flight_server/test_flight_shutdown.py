@@ -117,3 +117,36 @@ def test_an_ack_pending_when_the_server_dies_fails_with_unavailable(tmp_path):
         sub.close()
         remote.close()
         srv.kill()
+
+
+
+def test_a_server_over_a_callers_store_ends_its_long_polls_and_gives_the_store_back(tmp_path,
+                                                                                   wait_until):
+    """Closing the server ends a remote barrier arrival at once (Unavailable; the arrival
+    stays, as soft state does); the embedded store its caller opened waits as before."""
+    import json
+
+    import pyarrow.flight as flight
+
+    embedded = store.connect(str(tmp_path / "x.duckdb"))
+    for table in ("planner", "verifier"):
+        embedded.create_table(table, {"reward": "float64"}, version_group="team")
+    server = ExpstoreFlightServer(embedded, port=0)
+    threading.Thread(target=server.serve, daemon=True).start()
+    client = flight.FlightClient(server.location)
+    body = json.dumps({"tables": ["planner"], "expected": 0, "timeout": 120}).encode()
+    outcome: list = []
+    waiting = threading.Thread(target=lambda: outcome.append(_outcome(
+        lambda: list(client.do_action(flight.Action("arrive", body))))), daemon=True)
+    waiting.start()
+    wait_until(lambda: embedded.barrier("planner")["arrived"] == ["planner"], 30,
+               "the arrival reached the server")
+    server.close()
+    waiting.join(60)
+    assert isinstance(outcome[0], flight.FlightUnavailableError), outcome
+    assert "shutting down" in str(outcome[0])
+    client.close()
+    assert embedded.wait_version("planner", 1, timeout=0.1) == 0
+    assert embedded.arrive("verifier", expected=0) == 1    # planner's arrival stayed
+    assert embedded.wait_version("planner", 1, timeout=5) == 1
+    embedded.close()

@@ -268,6 +268,45 @@ def test_a_client_that_never_ends_its_stream_holds_the_shutdown_only_for_the_gra
         assert [r["a"] for r in e.query("SELECT a FROM t ORDER BY a").to_pylist()] == expected
 
 
+def test_long_polls_end_at_a_signal_instead_of_holding_the_shutdown(start_server, tmp_path):
+    """A producer's wait_version and a trainer's barrier arrival wait up to 300 s on the
+    server; a stop must end them with Unavailable (their clients call again once the server
+    is back), not wait for them until the grace ends and log that it could not."""
+    db = tmp_path / "w.duckdb"
+    # A grace far past STOP_TIMEOUT: a server that waited for the polls fails server.stop.
+    server = start_server("-m", "flight_server", "--db", str(db), "--port", "0",
+                          "--shutdown-grace", str(10 * STOP_TIMEOUT))
+    uri = server.wait_ready().split()[2]
+    with store.connect(uri) as s:
+        for table in ("planner", "verifier"):
+            s.create_table(table, {"a": "int64"}, version_group="team")
+    polls = {"wait_version": {"table": "planner", "min_version": 5, "timeout": 300},
+             "arrive": {"tables": ["planner"], "expected": 0, "timeout": 300}}
+    outcomes: dict[str, BaseException] = {}
+
+    def poll(name: str) -> None:
+        client = flight.FlightClient(uri)
+        try:
+            list(client.do_action(flight.Action(name, json.dumps(polls[name]).encode())))
+        except BaseException as e:  # noqa: BLE001 - the outcome under test
+            outcomes[name] = e
+
+    threads = [threading.Thread(target=poll, args=(name,), daemon=True) for name in polls]
+    for thread in threads:
+        thread.start()
+    with store.connect(uri) as s:
+        wait_until(lambda: s.barrier("planner")["arrived"] == ["planner"], 30,
+                   "the arrival reached the server")
+    assert server.stop(signal.SIGTERM) == 0
+    for thread in threads:
+        thread.join(STOP_TIMEOUT)
+    for name in polls:
+        assert isinstance(outcomes.get(name), flight.FlightUnavailableError), outcomes
+        assert "shutting down" in str(outcomes[name]), outcomes[name]
+    stderr = server.stderr_path.read_text()
+    assert "stopping without waiting" not in stderr and "Traceback" not in stderr
+
+
 def test_a_second_signal_stops_without_waiting_for_the_grace(start_server, tmp_path):
     db = tmp_path / "h.duckdb"
     # A grace far past STOP_TIMEOUT: a server that waited for it fails server.stop below
