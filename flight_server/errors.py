@@ -78,13 +78,22 @@ def to_flight(error: BaseException) -> flight.FlightError:
 
 def as_store_error(error: BaseException) -> E.ExpstoreError:
     """The store error a client is told of: bad-input exceptions from Arrow or from parsing
-    become InvalidArgument; anything else unexpected is logged and becomes "internal"."""
+    become InvalidArgument; anything else unexpected is logged and becomes "internal".
+    A refusal (the caller's mistake, or a retryable state such as a full table) is logged
+    once here, at DEBUG, without a traceback: the caller has the message, an operator sees it
+    with ``--log-level debug``."""
     if isinstance(error, E.ExpstoreError):
-        return _bounded(error)
+        return _refused(_bounded(error))
     if isinstance(error, (pa.ArrowException, ValueError, TypeError, KeyError, RecursionError)):
-        return _bounded(E.InvalidArgument(str(error)))
+        return _refused(_bounded(E.InvalidArgument(str(error))))
     log.exception("internal error", exc_info=error)
     return _bounded(E.ExpstoreError(f"internal error: {type(error).__name__}: {error}"))
+
+
+def _refused(error: E.ExpstoreError) -> E.ExpstoreError:
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("refused: [%s] %s", error.code, error)
+    return error
 
 
 class _FlightErrors:

@@ -481,3 +481,31 @@ def test_a_refused_subscription_raises_once_and_prints_nothing(served, capfd):
         gc.collect()
     # pyarrow prints an unclosed call's error on stderr ("Close() failed") when it is collected
     assert "Close() failed" not in capfd.readouterr().err
+
+
+# -- the server's log ----------------------------------------------------------------------------
+def test_a_refused_call_is_one_debug_line_without_traceback(served, caplog):
+    """A caller's mistake is answered to the caller; the server logs it once, at DEBUG (an
+    operator's ``--log-level debug``), with its code and message and no traceback, whichever
+    path it came by (a verb, an action session, a subscription)."""
+    import logging
+
+    from flight_server.client import RemoteStore
+    server, client = served
+    with caplog.at_level(logging.INFO, logger="expstore"):
+        with pytest.raises(flight.FlightError):
+            action(client, "describe", {"table": "nope_info"})
+    assert not [r for r in caplog.records if "nope_info" in r.getMessage()]
+    with caplog.at_level(logging.DEBUG, logger="expstore"):
+        with pytest.raises(flight.FlightError):
+            action(client, "describe", {"table": "nope_verb"})
+        with RemoteStore(f"grpc://127.0.0.1:{server.port}") as remote:
+            with pytest.raises(E.NotFound):
+                remote.put("nope_session", {"sample_id": ["a_0_0"]})
+            with pytest.raises(E.NotFound):
+                remote.subscribe("nope_sub", micro_batch_size=1, global_batch_size=1)
+    for name in ("nope_verb", "nope_session", "nope_sub"):
+        lines = [r for r in caplog.records if name in r.getMessage()]
+        assert len(lines) == 1, (name, [r.getMessage() for r in caplog.records])
+        assert lines[0].levelno == logging.DEBUG and lines[0].exc_info is None
+        assert "not_found" in lines[0].getMessage()
