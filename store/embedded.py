@@ -36,7 +36,7 @@ from .index import StoreIndex
 from .live import Lease, LiveTable
 from .naming import check_identifier, quote
 from .opening import check_memory_limit, connect_duckdb, ensure_catalog, run_checkpoint
-from .ops import BumpOp, CallOp, PutOp, ReadOp, SettleOp, SmallPutOp
+from .ops import BumpOp, CallOp, FlushOp, PutOp, ReadOp, SettleOp, SmallPutOp
 from .prepare import SMALL_ROWS, check_columns, put_timeout, put_versions, to_arrow_table
 from .putlog import PutLog, log_path, replay
 from .readers import Readers
@@ -110,6 +110,13 @@ class EmbeddedStore:
         self._barriers = Barriers(
             index, bump=lambda group, expected, weights: int(self._writer.call(
                 BumpOp(group, expected, weights))), closed=lambda: self._closed)
+        if index.has_pending_row_updates():
+            # The leases this open voided: written before anyone reads, so that SQL does not
+            # show their rows as processing while stats and claims say they are ready.
+            try:
+                self._writer.call(FlushOp())
+            except ExpstoreError:  # (a storage fault: the writer keeps them for a later group)
+                pass
 
     # -- tables --------------------------------------------------------------------------------
     def create_table(self, name: str, columns: Mapping[str, Any], *, if_not_exists: bool = False,

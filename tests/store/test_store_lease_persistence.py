@@ -54,6 +54,25 @@ def test_a_restart_voids_every_lease_and_a_late_ack_says_so(db_path, wait_until)
         s.close()
 
 
+def test_sql_agrees_with_stats_on_the_voided_leases_as_soon_as_the_store_opens(db_path):
+    """An operator who opens (or restarts the server on) a store and runs SQL at once must not
+    see rows as processing that stats, leases and claims say are ready: the voided leases'
+    bookkeeping is written before the store is handed out, not with the writer's next idle
+    flush (up to checkpoint_idle_seconds later)."""
+    s = store.connect(db_path)
+    s.create_table("agent", {"reward": "float64"})
+    s.put("agent", {"sample_id": [f"q{i}_0_0" for i in range(6)], "reward": [1.0] * 6})
+    s.claim("agent", 4, lease_seconds=3600)
+    s.close()  # closing flushes the lease bookkeeping: DuckDB says processing
+    s = store.connect(db_path, checkpoint_idle_seconds=60)
+    try:
+        assert s.query("SELECT count(*) AS n FROM agent WHERE is_processing").column("n")[0] \
+            .as_py() == 0
+        assert s.stats("agent")["agent"]["processing"] == 0 and s.leases() == []
+    finally:
+        s.close()
+
+
 def test_a_claims_lease_bookkeeping_reaches_sql_with_its_claim(db_path, wait_until):
     """The bookkeeping a claim leaves for the writer (built when its flush is due) names the
     claim, its consumer, its lease's end and each row's delivery count, table by table."""
