@@ -21,7 +21,9 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import sys
+import textwrap
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -408,10 +410,30 @@ def _stats_text(stats: dict[str, Any], table: str | None) -> str:
             for name, s in sorted(stats.items())]
     text = format_table(["table", "group"] + STATS_COLUMNS, rows)
     if table is not None and table in stats:
-        per_version = stats[table].get("rows_per_version") or {}
-        text += "\n\nrows per policy version: " + (
-            ", ".join(f"v{v}: {n}" for v, n in sorted(per_version.items())) or "none")
+        line = "rows per policy version: " + _per_version_text(
+            stats[table].get("rows_per_version") or {})
+        text += "\n\n" + textwrap.fill(line, width=shutil.get_terminal_size((120, 24)).columns,
+                                       subsequent_indent="  ", break_long_words=False,
+                                       break_on_hyphens=False)
     return text
+
+
+#: Versions the text view of stats lists one by one (the newest); --json has every one.
+STATS_VERSIONS_SHOWN = 10
+
+
+def _per_version_text(per_version: dict[Any, int]) -> str:
+    """``v0: 25, v1: 3, …``: the newest versions one by one, the older ones summed up in one
+    entry, so that a run of thousands of versions still fits a terminal."""
+    if not per_version:
+        return "none"
+    items = sorted((int(v), n) for v, n in per_version.items())
+    older, newest = items[:-STATS_VERSIONS_SHOWN], items[-STATS_VERSIONS_SHOWN:]
+    parts = [f"v{v}: {n}" for v, n in newest]
+    if older:
+        parts.insert(0, f"v{older[0][0]}–v{older[-1][0]}: {sum(n for _, n in older)} rows in "
+                        f"{len(older)} versions")
+    return ", ".join(parts)
 
 
 @cli.command()

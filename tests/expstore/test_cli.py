@@ -379,6 +379,22 @@ def test_stats(seeded):
     fails(seeded.run("stats", "nope"), 1, "'nope' does not exist")
 
 
+def test_stats_of_a_long_run_fits_the_terminal(seeded):
+    """Days of training make thousands of versions: the text view names the newest ones and
+    sums up the others (--json keeps each), rather than printing one line per version."""
+    with seeded.open() as s:
+        for v in range(40):
+            s.bump_version("solver")
+            s.put("solver", [{"sample_id": f"v{v}_0_0", "prompt": "p", "tokens": [1],
+                              "reward": 0.0}])
+    text = ok(seeded.run("stats", "solver")).stdout
+    assert max(len(line) for line in text.splitlines()) <= 120, text   # (no terminal: 120)
+    assert "v40: 1" in text and "v31: 1" in text and "v30: 1" not in text
+    assert "v0–v30: 55 rows in 31 versions" in text        # 25 at v0, one each at v1 … v30
+    per_version = as_json(seeded.run("stats", "solver", "--json"))["solver"]["rows_per_version"]
+    assert len(per_version) == 41
+
+
 def test_stats_watch_is_bounded_by_count(seeded):
     lines = ok(seeded.run("stats", "--watch", "--count", "3", "--interval", "0.05",
                           "--json")).stdout.splitlines()
