@@ -7,7 +7,7 @@ Exported (prefix ``expstore_``): ``rows_put_total``, ``puts_total``, ``claims_to
 ``rows_claimed_total``, ``acks_total``, ``rows_acked_total``, ``nacks_total``,
 ``leases_expired_total``, ``redeliveries_total``, ``dead_letters_total``, ``stale_rows_total``,
 ``version_bumps_total``; per table ``version``, ``ready_rows`` (queue depth), ``processing_rows``,
-``pending_rows``; ``writer_queue_depth``; ``writer_up``; ``health{status=…, error=…}`` (1, with
+``pending_rows``; ``writer_queue_depth``; ``writer_up``; ``disk_bytes{file=database|wal|putlog|blobs}``; ``health{status=…, error=…}`` (1, with
 ``health``'s status ok / failed / closed and the cause of a failure, e.g. a full disk);
 histogram ``request_seconds{verb=…}``.
 
@@ -66,6 +66,12 @@ class StoreCollector(Collector):
         yield from (version, ready, processing, pending)
         yield GaugeMetricFamily("expstore_writer_queue_depth", "operations waiting for the "
                                 "writer", value=gauges["writer_queue_depth"])
+        disk = GaugeMetricFamily("expstore_disk_bytes", "bytes on disk of the store's files "
+                                 "(database, wal, putlog, blobs); gc --drop gives blobs back",
+                                 labels=["file"])
+        for file, size in gauges["disk"].items():
+            disk.add_metric([file], size)
+        yield disk
         yield GaugeMetricFamily("expstore_claim_cache_bytes", "bytes of ready rows' values held "
                                 "so that claims need no DuckDB read", value=s.cache.used)
         yield GaugeMetricFamily("expstore_writer_up", "1 while the store's writer runs; 0 once "

@@ -139,6 +139,11 @@ class BlobStore:
             names = [i.base_name for i in infos]
         return sorted(int(m.group(1)) for n in names if (m := _SEGMENT_NAME.match(n)))
 
+    def disk_bytes(self) -> int:
+        """Bytes the segment files hold (what ``gc`` can give back, and what monitoring shows);
+        a segment deleted meanwhile counts nothing."""
+        return sum(self._segment_size(seg) for seg in self.segments())
+
     def _segment_size(self, segment: int) -> int:
         if self._local:
             try:

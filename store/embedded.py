@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Mapping
@@ -737,10 +738,25 @@ class EmbeddedStore:
 
     def gauges(self) -> dict[str, Any]:
         """What monitoring samples (see flight_server/metrics.py): per table its version and
-        rows ready, processing and pending; the writer's queue depth and whether it runs."""
+        rows ready, processing and pending; the writer's queue depth and whether it runs; the
+        bytes on disk of the database, its WAL, the put log and the blob segments."""
         writer = self._writer
         return {"tables": self._index.table_gauges(), "writer_queue_depth": writer.queue_depth,
-                "writer_running": writer.fatal is None}
+                "writer_running": writer.fatal is None, "disk": self.disk_bytes()}
+
+    def disk_bytes(self) -> dict[str, int]:
+        """Bytes on disk: ``database``, ``wal``, ``putlog``, ``blobs`` (a file not there: 0)."""
+        def size(path: str) -> int:
+            try:
+                return os.path.getsize(path)
+            except OSError:
+                return 0
+        try:
+            blobs = self.blobs.disk_bytes()
+        except (OSError, pa.ArrowException):  # a remote filesystem that cannot answer now
+            blobs = 0
+        return {"database": size(self.path), "wal": size(f"{self.path}.wal"),
+                "putlog": size(log_path(self.path)), "blobs": blobs}
 
     def _reopen_database(self) -> duckdb.DuckDBPyConnection:
         """Close every connection to the database and open it again (the writer calls this
