@@ -35,7 +35,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 import click
 
 from store.cache import DEFAULT_CACHE_LIMIT
-from store.errors import AlreadyExists, ExpstoreError
+from store.errors import AlreadyExists, ExpstoreError, Unavailable
 
 from . import __version__
 from .cluster_commands import cluster
@@ -458,6 +458,8 @@ def stats(table: str | None, watch: bool, interval: float, count: int | None, ta
         expstore stats solver --json
         expstore stats --uri grpc://127.0.0.1:8815 --watch --interval 1
     """
+    data: dict[str, Any] | None
+    down: str | None
     with target.open() as s:
         if not watch:
             data = s.stats(table)
@@ -466,26 +468,43 @@ def stats(table: str | None, watch: bool, interval: float, count: int | None, ta
             else:
                 click.echo(_stats_text(data, table))
             return
+        from .output import dumps
+
         refreshes = 0
         try:
             while True:
-                data = s.stats(table)
+                try:
+                    data, down = s.stats(table), None
+                except Unavailable as e:  # a server restarting: watch it come back
+                    data, down = None, _why_unavailable(e, target)
                 refreshes += 1
                 if as_json:
-                    from .output import dumps
-
-                    click.echo(dumps(data, indent=None))
+                    click.echo(dumps(data if down is None else
+                                     {"error": down, "code": Unavailable.code}, indent=None))
                 else:
                     click.clear()
                     now = dt.datetime.now().strftime("%H:%M:%S")
                     click.echo(f"expstore stats  {target.address}  {now}  "
                                f"(every {interval:g} s, Ctrl-C to stop)\n")
-                    click.echo(_stats_text(data, table))
+                    click.echo(_stats_text(data, table) if data is not None else
+                               f"unavailable: {down}\n(trying again every {interval:g} s)")
                 if count is not None and refreshes >= count:
                     return
                 time.sleep(interval)
         except KeyboardInterrupt:
             return
+
+
+def _why_unavailable(error: Exception, target: Target) -> str:
+    """Why a server does not answer: a refused connection (nothing listens there now) in the
+    CLI's words rather than gRPC's, else the error's own message."""
+    if target.uri:
+        from flight_server.reachable import check_listening
+        try:
+            check_listening(target.uri)
+        except Unavailable as refused:
+            return str(refused)
+    return str(error)
 
 
 @cli.command()

@@ -668,3 +668,55 @@ def test_python_dash_m_expstore_is_the_console_script():
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "Usage: python -m expstore" in done.stdout and "serve" in done.stdout
+
+
+def test_stats_watch_keeps_watching_while_the_server_restarts(tmp_path):
+    """An operator watching a server through its restart: each refresh it is down prints why
+    (the CLI's words, not gRPC's), and the view comes back with the server."""
+    import socket
+    import time as _time
+
+    from flight_server.server import ExpstoreFlightServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    db = str(tmp_path / "w.duckdb")
+
+    def start() -> ExpstoreFlightServer:
+        server = ExpstoreFlightServer(db, port=port)
+        threading.Thread(target=server.serve, daemon=True).start()
+        return server
+
+    server = start()
+    with store.connect(server.location) as s:
+        s.create_table("t", {"a": "int64"})
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPSTORE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "expstore", "stats", "--watch", "--interval", "0.1", "--json",
+         "--count", "100000", "--uri", f"grpc://127.0.0.1:{port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        def next_line() -> dict[str, Any]:
+            line = watch.stdout.readline()
+            assert line, watch.stderr.read()
+            return json.loads(line)
+
+        assert "t" in next_line()
+        server.close()
+        deadline = _time.monotonic() + 60
+        while "error" not in (down := next_line()):
+            assert _time.monotonic() < deadline
+        assert down["code"] == "unavailable"
+        assert "Flight returned" not in down["error"], down
+        server = start()
+        while "t" not in (back := next_line()):
+            assert _time.monotonic() < deadline
+            assert "error" in back
+        assert back["t"]["version"] == 0
+    finally:
+        watch.kill()
+        watch.wait(30)
+        server.close()
