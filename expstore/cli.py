@@ -670,9 +670,11 @@ def export(table: str | None, sql: str | None, output: str, fmt: str | None, chu
               help="First delete the rows in this state (repeatable) whose policy version is "
                    "below the table's version minus its max_staleness (no write can reach "
                    "them any more), so that their values can go too.")
+@click.option("--keep-versions", type=click.IntRange(min=0), default=0, show_default=True,
+              metavar="N", help="With --drop: keep the rows of the newest N versions (for SQL).")
 @store_options()
 @json_option
-def gc(drop_rows: tuple[str, ...], target: Target, as_json: bool) -> None:
+def gc(drop_rows: tuple[str, ...], keep_versions: int, target: Target, as_json: bool) -> None:
     """Delete blob segments that no row references any more.
 
     Consumed, stale and dead rows are kept (for SQL) until --drop deletes them: without it a
@@ -685,10 +687,14 @@ def gc(drop_rows: tuple[str, ...], target: Target, as_json: bool) -> None:
     Example:
         expstore gc --db ./expstore.duckdb
         expstore gc --uri grpc://127.0.0.1:8815 --drop consumed --drop stale
+        expstore gc --uri grpc://127.0.0.1:8815 --drop consumed --keep-versions 20
         expstore gc --uri grpc://127.0.0.1:8815 --token $ADMIN_TOKEN --json
     """
     with target.open() as s:
-        result = s.gc(drop_rows=list(drop_rows)) if drop_rows else s.gc()
+        if keep_versions and not drop_rows:
+            raise click.UsageError("--keep-versions says which rows --drop keeps; give --drop")
+        result = s.gc(drop_rows=list(drop_rows), keep_versions=keep_versions) if drop_rows \
+            else s.gc()
     if as_json:
         echo_json(result)
     else:

@@ -165,7 +165,7 @@ def _health(s: EmbeddedStore, b: dict[str, Any]) -> Any:
 
 
 def _gc(s: EmbeddedStore, b: dict[str, Any]) -> Any:
-    return s.gc(drop_rows=b.get("drop_rows", ()))
+    return s.gc(drop_rows=b.get("drop_rows", ()), keep_versions=b.get("keep_versions", 0))
 
 
 def _checkpoint(s: EmbeddedStore, b: dict[str, Any]) -> Any:
@@ -209,8 +209,9 @@ ACTIONS: dict[str, ActionSpec] = {a.name: a for a in [
     ActionSpec("list_tables", "reader", "Names of the experience tables. Body: {}", _list_tables),
     ActionSpec("health", "reader", "Liveness and basic counters. Body: {}", _health),
     ActionSpec("gc", "admin", "Delete finished rows no write can reach (drop_rows: some of "
-               "consumed, stale, dead), then blob segments no row references. Body: "
-               "{drop_rows?: [state]}", _gc),
+               "consumed, stale, dead; those of the newest keep_versions versions stay), then "
+               "blob segments no row references. Body: {drop_rows?: [state], keep_versions?: "
+               "int}", _gc),
     ActionSpec("checkpoint", "admin", "Fold the WAL into the database file. Body: {}",
                _checkpoint),
 ]}

@@ -481,8 +481,13 @@ class RemoteStore:
     def health(self) -> dict[str, Any]:
         return self._json("health")
 
-    def gc(self, *, drop_rows: Any = ()) -> dict[str, int]:
-        return self._json("gc", {"drop_rows": drop_rows} if drop_rows != () else {})
+    def gc(self, *, drop_rows: Any = (), keep_versions: Any = 0) -> dict[str, int]:
+        body: dict[str, Any] = {}
+        if drop_rows != ():
+            body["drop_rows"] = drop_rows
+        if keep_versions != 0:
+            body["keep_versions"] = keep_versions
+        return self._json("gc", body)
 
     def checkpoint(self) -> None:
         self._json("checkpoint")

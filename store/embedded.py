@@ -42,7 +42,7 @@ from .prepare import SMALL_ROWS, check_columns, put_timeout, put_versions, to_ar
 from .putlog import PutLog, log_path, replay
 from .readers import Readers
 from .recovery import load_state
-from .retention import check_drop_rows, drop_finished_rows
+from .retention import check_drop_rows, check_keep_versions, drop_finished_rows
 from .schema import TableDef
 from .settings import StoreSettings
 from .sqlguard import check_query_options, check_select
@@ -675,23 +675,26 @@ class EmbeddedStore:
             return sorted(out, key=lambda d: d["expires_at"])
 
     # -- maintenance ------------------------------------------------------------------------------
-    def gc(self, *, drop_rows: Any = ()) -> dict[str, int]:
+    def gc(self, *, drop_rows: Any = (), keep_versions: Any = 0) -> dict[str, int]:
         """Delete blob segments no row references; first, with ``drop_rows`` (some of
         ``"consumed"``, ``"stale"``, ``"dead"``), the rows in those states that no write can
-        reach any more (store/retention.py): without it a consumed row and its values stay for
-        ever. Answers ``segments_removed``, ``bytes_freed`` and ``rows_dropped``.
+        reach any more (store/retention.py), except those of the newest ``keep_versions``
+        versions: without it a consumed row and its values stay for ever. Answers
+        ``segments_removed``, ``bytes_freed`` and ``rows_dropped``.
 
         Raises:
-            InvalidArgument: ``drop_rows`` names something else.
+            InvalidArgument: ``drop_rows`` names something else, or ``keep_versions`` is not
+                an integer ≥ 0.
         """
         states = check_drop_rows(drop_rows)
+        keep = check_keep_versions(keep_versions)
 
         def run(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
             dropped = 0
             for live in self._index.live.values():
                 dropped += drop_finished_rows(
                     con, live.tdef.name, states,
-                    self._index.version_of(live) - live.tdef.max_staleness)
+                    self._index.version_of(live) - max(live.tdef.max_staleness, keep))
             self.blobs.roll()
             live_segments: set[int] = set()
             for live in self._index.live.values():

@@ -6,7 +6,8 @@ staleness window (``version - max_staleness``), so a write of the same sample, r
 at-least-once producer, is refused as stale instead of making the sample ready a second time.
 A leased row is never finished, so a claim in progress keeps its rows. The table's newest row
 (by ``row_id``) stays, so that row ids keep growing after a reopen, which takes the next one
-from the largest left.
+from the largest left. ``keep_versions`` widens the window for people's SQL: the finished
+rows of the newest versions stay.
 """
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ def check_drop_rows(drop_rows: Any) -> tuple[str, ...]:
             raise InvalidArgument(f"drop_rows names {state!r}, which is not a state gc may "
                                   f"drop; expected some of: {choices}")
     return tuple(dict.fromkeys(drop_rows))
+
+
+def check_keep_versions(keep_versions: Any) -> int:
+    """``gc(keep_versions=...)``: how many of the newest versions keep their finished rows."""
+    if not isinstance(keep_versions, int) or isinstance(keep_versions, bool) \
+            or keep_versions < 0:
+        raise InvalidArgument(f"keep_versions {keep_versions!r} is not a number of versions; "
+                              "expected an integer ≥ 0")
+    return keep_versions
 
 
 def drop_finished_rows(con: duckdb.DuckDBPyConnection, table: str, states: tuple[str, ...],

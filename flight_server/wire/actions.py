@@ -48,7 +48,7 @@ ACTION_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "stats": ((), ("table",)),
     "leases": ((), ("table",)),
     "health": ((), ()),
-    "gc": ((), ("drop_rows",)),
+    "gc": ((), ("drop_rows", "keep_versions")),
     "checkpoint": ((), ()),
     "put": (("table",), ()),  # a session's put: the rows follow as a part
     # a coordinator's (docs/protocol.md, "Coordinator actions")

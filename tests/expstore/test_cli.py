@@ -536,6 +536,10 @@ def test_gc_drop_deletes_consumed_rows_out_of_reach_on_both_backends(seeded):
     stats = as_json(seeded.run("stats", "solver", "--json"))["solver"]
     assert stats["rows"] == 1 and stats["consumed"] == 0
     fails(seeded.run("gc", "--drop", "ready"), 2, "'ready'")
+    fails(seeded.run("gc", "--keep-versions", "3"), 2, "give --drop")
+    fails(seeded.run("gc", "--drop", "consumed", "--keep-versions", "-1"), 2, "-1")
+    assert as_json(seeded.run("gc", "--drop", "consumed", "--keep-versions", "3", "--json")
+                   )["rows_dropped"] == 0
 
 
 def test_migrate(tmp_path):

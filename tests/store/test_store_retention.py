@@ -138,3 +138,23 @@ def test_disk_stays_bounded_in_a_put_claim_ack_loop(open_store, db_path):
     assert all(blob < 50 * per_cycle + 2 * (64 << 10) for blob, _ in sizes), (sizes, written)
     assert all(rows <= 10 * 4 for _, rows in sizes), sizes
     assert s.stats("t")["t"]["ready"] == 0
+
+
+def test_keep_versions_leaves_the_newest_versions_for_sql(any_store):
+    """Researchers query recent training data: ``keep_versions=N`` keeps the finished rows of
+    the newest N versions (beyond what the staleness window keeps anyway)."""
+    s = any_store
+    s.create_table("t", {"text": "string", "reward": "float64"}, storage={"text": "ref"})
+    for v in range(6):                              # versions 0 … 5, two rows each
+        _put_one_by_one(s, [f"v{v}a_0_0", f"v{v}b_0_0"])
+        s.ack(s.claim("t", 2).claim_id)
+        s.bump_version("t")
+    _put_one_by_one(s, ["last_0_0"])                # version 6, ready
+    assert s.gc(drop_rows=["consumed"], keep_versions=3)["rows_dropped"] == 6
+    assert s.query("SELECT DISTINCT policy_version AS v FROM t ORDER BY v").column("v") \
+        .to_pylist() == [3, 4, 5, 6]
+    assert s.gc(drop_rows=["consumed"])["rows_dropped"] == 6
+    with pytest.raises(InvalidArgument, match="keep_versions -1"):
+        s.gc(drop_rows=["consumed"], keep_versions=-1)
+    with pytest.raises(InvalidArgument, match="keep_versions 'x'"):
+        s.gc(drop_rows=["consumed"], keep_versions="x")
