@@ -500,8 +500,9 @@ class CoordinatorServer(ExpstoreFlightServer):
     # -- garbage collection on the data nodes ----------------------------------------------------
     def collect_data_nodes(self) -> dict[str, Any]:
         """Tell each live data node which of its segments rows still name (rows in any state:
-        a consumed row's values stay, as on one server); it deletes the others older than
-        ``gc_grace``. Per node its answer, or the error that stopped it."""
+        a finished row's values stay until ``gc``'s ``drop_rows`` deletes the row, as on one
+        server); it deletes the others older than ``gc_grace``. Per node its answer, or the
+        error that stopped it."""
         with self.registry.lock:
             live = {k: v["location"] for k, v in self.registry.nodes.items()
                     if k not in self.registry.lost}

@@ -531,6 +531,30 @@ def test_gc_deletes_the_segments_no_row_names_on_the_data_nodes(tmp_path):
         c.close()
 
 
+def test_gc_drop_rows_frees_the_consumed_rows_segments_on_the_data_nodes(tmp_path):
+    """Retention through a coordinator: finished rows dropped there no longer name their
+    data node's segments, which its collect then deletes."""
+    c = Cluster(tmp_path, gc_grace=0)
+    try:
+        with client(c, 0) as s:
+            make_table(s, "t")
+            s.put("t", rows("a", 16))
+            s.gc()                                  # the nodes start new segments
+            s.put("t", rows("b", 1))                # the table's newest row, kept
+            while (claim := s.claim("t", 8)).claim_id:
+                s.ack(claim.claim_id)
+            s.bump_version("t")
+            held = _disk(tmp_path / "dn-0")
+            answer = s.gc(drop_rows=["consumed"])
+            assert answer["rows_dropped"] == 16
+            freed = answer["data_nodes"]["dn-0"]
+            assert freed["segments_removed"] >= 1 and freed["bytes_freed"] > 16 * VALUE
+            assert _disk(tmp_path / "dn-0") <= held - 16 * VALUE
+            assert s.query("SELECT sample_id FROM t").column(0).to_pylist() == ["b0_0_0"]
+    finally:
+        c.close()
+
+
 def test_the_coordinators_half_of_a_put_travels_on_the_session(cluster):
     """Keys and simple columns of 256 rows are small: one message on the client's open
     session, not a do_put call of their own (a new call per put cost the producer more)."""
