@@ -570,13 +570,15 @@ class EmbeddedStore:
         return self._index.change_seq
 
     def end_waits(self, reason: str | None) -> None:
-        """End every long poll (:meth:`wait_version`, :meth:`arrive_poll`), waiting or later,
-        with ``Unavailable(reason)``: a server that stops must not wait for them (they may
-        last minutes); their clients call again once it is back. ``None`` lets them wait again
-        (a server stopped over a store its caller opened gives it back as it was)."""
+        """End every long poll (:meth:`wait_version`, :meth:`arrive_poll`) and every query
+        (SQL, claim predicates), running or later, with ``Unavailable(reason)``: a server that
+        stops must not wait for them (they may last minutes); their clients call again once
+        it is back. ``None`` lets them run again (a server stopped over a store its caller
+        opened gives it back as it was)."""
         with self._index.changed:
             self._index.waits_ended = reason
             self._index.notify()
+        self._readers.end_queries(reason)
 
     def wake(self) -> None:
         """Wake everything blocked in :meth:`wait_changed` (e.g. a message arrived)."""

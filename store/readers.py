@@ -20,7 +20,8 @@ import pyarrow as pa
 
 from .blobs import BlobStore
 from .deadlines import Deadlines
-from .errors import QueryBusy, QueryRefused, QueryTimeout, StorageError, StoreClosed
+from .errors import QueryBusy, QueryRefused, QueryTimeout, StorageError, StoreClosed, \
+    Unavailable
 from .index import StoreIndex
 from .sqlvalues import ValueCursor, ValueViews
 
@@ -58,6 +59,9 @@ class Readers:
         self._root = con.cursor()
         self._lock = threading.Lock()  # guards _root and new cursors against close and reopen
         self._closed = False
+        # Cursors running users' SQL now, and why they are ended (see end_queries).
+        self._running: set[duckdb.DuckDBPyConnection] = set()
+        self._ended: str | None = None
 
     # -- cursors ------------------------------------------------------------------------------
     def cursor(self, materialize: bool = True) -> duckdb.DuckDBPyConnection:
@@ -147,6 +151,16 @@ class Readers:
     def release_query_slot(self) -> None:
         self._slots.release()
 
+    def end_queries(self, reason: str | None) -> None:
+        """Cancel the SQL running now and refuse more, each with ``Unavailable(reason)`` (a
+        server that stops must not wait for a query to run to its time limit); ``None``
+        takes queries again."""
+        with self._lock:
+            self._ended = reason
+            running = list(self._running) if reason is not None else []
+        for cursor in running:
+            cursor.interrupt()
+
     def run(self, sql: str, params: list[Any], timeout: float,
             deadline: float | None = None, stored: str | None = None) -> pa.Table:
         """Run users' SQL (a query or a claim predicate) on this thread's value cursor;
@@ -159,6 +173,10 @@ class Readers:
         values = self.value_cursor()
         cursor = values.cursor
         values.take_error()
+        with self._lock:
+            if self._ended is not None:
+                raise Unavailable(self._ended)
+            self._running.add(cursor)
         limit = _DEADLINES.arm(left, cursor.interrupt)
         try:
             if stored is not None:
@@ -175,6 +193,8 @@ class Readers:
                 except duckdb.Error:
                     pass
         except duckdb.InterruptException as e:
+            if self._ended is not None:
+                raise Unavailable(self._ended) from e
             raise QueryTimeout(f"query ran past its {timeout} s limit and was cancelled") from e
         except duckdb.Error as e:
             fault = self._read_fault()
@@ -186,3 +206,5 @@ class Readers:
             raise QueryRefused(f"query failed: {e}") from e
         finally:
             _DEADLINES.cancel(limit)
+            with self._lock:
+                self._running.discard(cursor)

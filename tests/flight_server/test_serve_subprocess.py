@@ -270,12 +270,15 @@ def test_a_client_that_never_ends_its_stream_holds_the_shutdown_only_for_the_gra
 
 def test_long_polls_end_at_a_signal_instead_of_holding_the_shutdown(start_server, tmp_path):
     """A producer's wait_version and a trainer's barrier arrival wait up to 300 s on the
-    server; a stop must end them with Unavailable (their clients call again once the server
-    is back), not wait for them until the grace ends and log that it could not."""
+    server, and people's SQL runs up to the query time limit; a stop must end them with
+    Unavailable (their clients call again once the server is back), not wait for them until
+    the grace ends and log that it could not."""
     db = tmp_path / "w.duckdb"
-    # A grace far past STOP_TIMEOUT: a server that waited for the polls fails server.stop.
+    # A grace and a query limit far past STOP_TIMEOUT: a server that waited for the polls or
+    # the query fails server.stop.
     server = start_server("-m", "flight_server", "--db", str(db), "--port", "0",
-                          "--shutdown-grace", str(10 * STOP_TIMEOUT))
+                          "--shutdown-grace", str(10 * STOP_TIMEOUT),
+                          "--set", f"query_timeout={10 * STOP_TIMEOUT}")
     uri = server.wait_ready().split()[2]
     with store.connect(uri) as s:
         for table in ("planner", "verifier"):
@@ -287,10 +290,15 @@ def test_long_polls_end_at_a_signal_instead_of_holding_the_shutdown(start_server
     def poll(name: str) -> None:
         client = flight.FlightClient(uri)
         try:
-            list(client.do_action(flight.Action(name, json.dumps(polls[name]).encode())))
+            if name == "query":
+                heavy = "SELECT count(*) FROM range(100000000000) t(i) WHERE hash(i) % 7 = 3"
+                client.do_get(flight.Ticket(json.dumps({"sql": heavy}).encode())).read_all()
+            else:
+                list(client.do_action(flight.Action(name, json.dumps(polls[name]).encode())))
         except BaseException as e:  # noqa: BLE001 - the outcome under test
             outcomes[name] = e
 
+    polls["query"] = {}
     threads = [threading.Thread(target=poll, args=(name,), daemon=True) for name in polls]
     for thread in threads:
         thread.start()
