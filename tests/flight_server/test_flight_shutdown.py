@@ -147,6 +147,7 @@ def test_a_server_over_a_callers_store_ends_its_long_polls_and_gives_the_store_b
     assert "shutting down" in str(outcome[0])
     client.close()
     assert embedded.wait_version("planner", 1, timeout=0.1) == 0
+    assert embedded.query("SELECT count(*) AS n FROM planner").column("n")[0].as_py() == 0
     assert embedded.arrive("verifier", expected=0) == 1    # planner's arrival stayed
     assert embedded.wait_version("planner", 1, timeout=5) == 1
     embedded.close()
