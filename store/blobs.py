@@ -141,8 +141,13 @@ class BlobStore:
 
     def disk_bytes(self) -> int:
         """Bytes the segment files hold (what ``gc`` can give back, and what monitoring shows);
-        a segment deleted meanwhile counts nothing."""
-        return sum(self._segment_size(seg) for seg in self.segments())
+        a segment deleted meanwhile counts nothing. One listing on an object store (a segment
+        per commit there: a request per segment would be thousands per scrape)."""
+        if self._local:
+            return sum(self._segment_size(seg) for seg in self.segments())
+        assert self._fs is not None
+        infos = self._fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        return sum(i.size or 0 for i in infos if _SEGMENT_NAME.match(i.base_name))
 
     def _segment_size(self, segment: int) -> int:
         if self._local:
