@@ -5,7 +5,8 @@ same bytes in the same run; TransferQueue's workload and micro-batch flow throug
   float32, 40 MiB), every field stored by reference: put in one call (GB/s), then read back
   by claims of 16 and of 64 (acked after the timed reads) and by ``SELECT *``;
 * the wide rows (~12 KB, bench/workloads.py), every value column by reference, read the same
-  ways;
+  ways; and as rollouts write them (several puts of whole groups, input ids as UUIDs), read by
+  claims of 64, each of which then takes its groups from several puts;
 * a micro-batch of 16, fetch and settle (the ack waited durable), narrow and wide, plain and in
   groups of 8 (TransferQueue's get_meta + get_data is its counterpart): a trainer's loop in
   which each claim carries the ack of the micro-batch before it (one request, answered once that
@@ -22,6 +23,7 @@ each read.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -85,6 +87,35 @@ def raw_get(client: flight.FlightClient, table: pa.Table, name: str) -> float:
     t0 = time.perf_counter()
     client.do_get(ticket).read_all()
     return time.perf_counter() - t0
+
+
+def rollout_puts(n: int, puts: int) -> list[pa.Table]:
+    """``n`` wide rows as rollouts write them: ``puts`` puts of whole groups, input ids as UUID
+    hex. A trainer claims in input-id order, so a claim's groups come from several puts, in an
+    order unrelated to the puts' (where the other reads claim one put's rows in put order)."""
+    data = wide_table(n, start=7 * 10**6)
+    ids = [uuid.uuid5(uuid.NAMESPACE_OID, f"bench-{g}").hex for g in range(n // GROUP + 1)]
+    data = data.set_column(0, "sample_id",
+                           pa.array([f"{ids[i // GROUP]}_0_{i % GROUP}" for i in range(n)]))
+    per = n // puts
+    return [data.slice(k * per, per) for k in range(puts)]
+
+
+def _rollout_reads(ctx: Ctx, s: Any, raw: flight.FlightClient, rows: int) -> None:
+    """Wide rows put as rollouts write them (:func:`rollout_puts`), read back by claims of 64,
+    beside raw Flight serving the same tables."""
+    name = expstore_server.table_name("reads_rollouts")
+    columns = dict(WIDE_COLUMNS)
+    s.create_table(name, columns, storage={c: "ref" for c in columns})
+    for part in rollout_puts(rows, 8):
+        s.put(name, part)
+    took, raw_took, got = read_by_claims(s, name, 64, raw, "rollouts-64")
+    mb = sum(t.nbytes for t in got) / 1e6
+    ctx.record("wide_rollouts_claim64_mb_per_s", mb / sum(took), "MB/s",
+               "wide rows in 8 puts, input ids as UUIDs: read back by claims of 64")
+    ctx.record("raw_wide_rollouts_claim64_mb_per_s", mb / sum(raw_took), "MB/s",
+               f"  raw Flight do_get of the same {len(got)} tables, each after its claim")
+    s.drop_table(name)
 
 
 def _median(xs: list[float]) -> float:
@@ -210,6 +241,7 @@ def run(ctx: Ctx) -> None:
         wide_rows = ctx.pick(512, 1024)
         _reads(ctx, s, raw, "wide", lambda start: wide_table(wide_rows, start=start),
                dict(WIDE_COLUMNS))
+        _rollout_reads(ctx, s, raw, wide_rows)
         raw.close()
     _micro_batches(ctx, s)
     s.close()
