@@ -30,7 +30,7 @@ from .barrier import DEFAULT_BARRIER_TIMEOUT, SETTING_PREFIX, check_expected, ch
 from .barriers import Barriers
 from .blobs import BlobStore
 from .claim_engine import ClaimEngine
-from .claims import Claim, ClaimRequest, claim_requests
+from .claims import Claim, ClaimRequest, check_lease_seconds, claim_requests
 from .errors import AlreadyExists, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
     StorageError, StoreClosed, TableFull, Unavailable
 from .index import StoreIndex
@@ -384,22 +384,16 @@ class EmbeddedStore:
         return self._settle_async(claim_id, ack).result()
 
     def _settle_async(self, claim_id: str, ack: bool) -> Future:
-        if not isinstance(claim_id, str) or not claim_id:
-            raise InvalidArgument(f"claim id {claim_id!r} is not a non-empty string")
+        _check_claim_id(claim_id)
+        verb = "ack" if ack else "nack"
         with self._index.lock:
             lease = self._index.active_lease(claim_id)
             if lease is None:
                 recently_acked = self._index.recently_acked(claim_id)
-                if recently_acked is not None:
-                    if ack:
-                        return _done({"claim_id": claim_id, "acked": recently_acked,
-                                      "duplicate": True})
-                    raise LeaseExpired(f"claim {claim_id!r} was already acked; it cannot be "
-                                       "nacked")
-                why = self._index.why_ended(claim_id)
-                if why is not None:
-                    raise LeaseExpired(f"claim {claim_id!r} ended before this "
-                                       f"{'ack' if ack else 'nack'}: {why}")
+                if ack and recently_acked is not None:
+                    return _done({"claim_id": claim_id, "acked": recently_acked,
+                                  "duplicate": True})
+                self._raise_if_ended(claim_id, verb)
             elif lease.state == Lease.SETTLING:
                 return self._index.settling[claim_id]
             else:
@@ -414,9 +408,45 @@ class EmbeddedStore:
         acked = self._acked_before(claim_id) if ack else 0
         if acked:
             return _done({"claim_id": claim_id, "acked": acked, "duplicate": True})
-        raise NotFound(f"claim {claim_id!r} is unknown: it was never issued, its table was "
-                       "dropped, or it was taken before a restart, which voids every lease (its "
-                       "rows are ready to be delivered again)")
+        raise _unknown_claim(claim_id)
+
+    def _raise_if_ended(self, claim_id: str, verb: str) -> None:
+        """LeaseExpired, saying how, if claim ``claim_id`` ended recently (lock held): acked,
+        nacked, expired, or voided by a restart; ``verb`` is what was asked of it ("nack",
+        "renew", or "ack", whose caller answers a repeated ack before asking)."""
+        if self._index.recently_acked(claim_id) is not None:
+            raise LeaseExpired(f"claim {claim_id!r} was already acked; it cannot be "
+                               f"{verb}ed")
+        why = self._index.why_ended(claim_id)
+        if why is not None:
+            raise LeaseExpired(f"claim {claim_id!r} ended before this {verb}: {why}")
+
+    def renew(self, claim_id: str, *, lease_seconds: float | None = None) -> dict[str, Any]:
+        """Extend an active claim's lease to ``lease_seconds`` from now (None: the longest
+        ``lease_seconds`` of its tables, as a claim takes by default); answers ``{"claim_id",
+        "expires_at"}``. For a step that takes longer than the lease: renewed in time, the rows
+        stay this consumer's and its ack succeeds. Visible to SQL (``lease_expires_at``) after
+        the next lease bookkeeping flush.
+
+        Raises:
+            LeaseExpired: the claim ended (acked, nacked or expired; the message says which) or
+                is being acked or nacked now.
+            NotFound: the claim id was never issued, or was voided by a restart.
+            InvalidArgument: a malformed claim id or ``lease_seconds``.
+        """
+        _check_claim_id(claim_id)
+        check_lease_seconds(lease_seconds)
+        with self._index.lock:
+            lease = self._index.active_lease(claim_id)
+            if lease is None:
+                self._raise_if_ended(claim_id, "renew")
+                raise _unknown_claim(claim_id)
+            if lease.state == Lease.SETTLING:
+                raise LeaseExpired(f"claim {claim_id!r} is being acked or nacked; a claim that "
+                                   "is ending cannot be renewed")
+            expires_at = self._index.renew(lease, lease_seconds)
+        self._writer.poke()
+        return {"claim_id": claim_id, "expires_at": expires_at}
 
     def _settle_done(self, lease: Lease, done: Future, answer: Future) -> None:
         """Hand the writer's outcome on; a failed commit leaves the claim leased as before."""
@@ -799,6 +829,17 @@ class EmbeddedStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_claim_id(claim_id: object) -> None:
+    if not isinstance(claim_id, str) or not claim_id:
+        raise InvalidArgument(f"claim id {claim_id!r} is not a non-empty string")
+
+
+def _unknown_claim(claim_id: str) -> NotFound:
+    return NotFound(f"claim {claim_id!r} is unknown: it was never issued, its table was "
+                    "dropped, or it was taken before a restart, which voids every lease (its "
+                    "rows are ready to be delivered again)")
 
 
 def _done(result: Any) -> Future:

@@ -228,6 +228,28 @@ class StoreIndex:
             return None
         return lease
 
+    def renew(self, lease: Lease, seconds: float | None) -> float:
+        """Extend an active lease to ``seconds`` from now (None: the longest ``lease_seconds`` of
+        its tables, as a claim takes by default); its new expiry (lock held).
+
+        The expiry heap gets a new entry (:meth:`expire_leases` skips the old one: the lease
+        expires later than it says), and the rows' bookkeeping waits here again, so that the
+        writer's next flush writes the new ``lease_expires_at``. Only a lease that still holds
+        its rows is renewed (the caller checks it is active), so no consumed or released row is
+        marked leased again; an ack or expiry after this supersedes the entries as it would a
+        claim's."""
+        if seconds is None:
+            seconds = max(live.tdef.lease_seconds for live, _ in lease.rows)
+        lease.expires_at = time.time() + seconds
+        heapq.heappush(self._expiry, (lease.expires_at, lease.claim_id))
+        current: LiveTable | None = None
+        for live, row in lease.rows:
+            if live is not current:  # a lease's rows come table by table (see register)
+                current = live
+                pending = self._row_updates.setdefault(live.tdef.name, {})
+            pending[row.row_id] = (lease, row.deliveries)
+        return lease.expires_at
+
     def recently_acked(self, claim_id: str) -> int | None:
         """The rows a recently acked claim consumed, if it is one (lock held)."""
         return self._recent_acked.get(claim_id)
@@ -446,7 +468,8 @@ def _drop_own(pending: dict[int, LeaseUpdate | tuple[Lease, int]], row_id: int,
 
 def _updates(pending: dict[int, LeaseUpdate | tuple[Lease, int]]) -> list[LeaseUpdate]:
     """Pending bookkeeping entries as LeaseUpdates, a claim's ``(lease, delivery count)`` built
-    into one (its lease's fields do not change once it is made)."""
+    into one from its lease's fields as they are now (a renewal changes ``expires_at`` and
+    queues the rows again, so the newest expiry is the one written)."""
     out: list[LeaseUpdate] = []
     expiry: dict[int, dt.datetime] = {}  # by id(lease)
     for row_id, entry in pending.items():
