@@ -96,6 +96,10 @@ def _nack(s: EmbeddedStore, b: dict[str, Any]) -> Any:
     return s.nack(b["claim_id"])
 
 
+def _renew(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    return s.renew(b["claim_id"], lease_seconds=b.get("lease_seconds"))
+
+
 def _bump(s: EmbeddedStore, b: dict[str, Any]) -> Any:
     version = s.bump_version(b["table"], expected=b.get("expected"),
                              weights_uri=b.get("weights_uri"))
@@ -188,6 +192,9 @@ ACTIONS: dict[str, ActionSpec] = {a.name: a for a in [
     ActionSpec("ack", "writer", "Mark a claim's rows consumed (idempotent). Body: {claim_id}",
                _ack),
     ActionSpec("nack", "writer", "Return a claim's rows to ready. Body: {claim_id}", _nack),
+    ActionSpec("renew", "writer", "Extend an active claim's lease to lease_seconds from now "
+               "(default: its tables' lease_seconds). Body: {claim_id, lease_seconds?}. Answer: "
+               "{claim_id, expires_at}", _renew),
     ActionSpec("bump_version", "admin", "Bump a table's version group (compare-and-set). Body: "
                "{table, expected?, weights_uri?}", _bump),
     ActionSpec("arrive", "admin", "Arrive at the version group's barrier after a global batch "

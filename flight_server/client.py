@@ -378,6 +378,15 @@ class RemoteStore:
         """:meth:`nack` without waiting (see :meth:`ack_async`)."""
         return json_answer(self._fast("nack", {"claim_id": claim_id}), "nack")
 
+    def renew(self, claim_id: str, *, lease_seconds: float | None = None) -> dict[str, Any]:
+        """Extend an active claim's lease to ``lease_seconds`` from now (None: its tables'
+        ``lease_seconds``); answers ``{"claim_id", "expires_at"}`` (see
+        :meth:`store.embedded.EmbeddedStore.renew`). On the session when there is one."""
+        body: dict[str, Any] = {"claim_id": claim_id}
+        if lease_seconds is not None:
+            body["lease_seconds"] = lease_seconds
+        return json_answer(self._fast("renew", body), "renew").result(self._timeout)
+
     def _fast(self, name: str, body: dict[str, Any]) -> Answer:
         """Send a hot-path request on the session stream (a do_action call where the server
         has none); the answer's parts come from the returned Future."""

@@ -19,7 +19,7 @@ the rows, after a newline::
 
     {"id": 8, "action": "put", "body": {"table": "policy"}, "sizes": [1184]}\\n<IPC stream>
 
-Claims and version reads are answered in request order. Puts, acks, nacks and claims that carry
+Claims, renewals and version reads are answered in request order. Puts, acks, nacks and claims that carry
 an ack are answered when their commit is durable, from another thread, so a claim sent after an
 ack does not wait for the ack's fsync: answers can overtake each other, and clients match them
 by ``id``. One thread writes
@@ -53,7 +53,7 @@ log = logging.getLogger("expstore.session")
 
 # Verbs a session carries: the fast ones. Long polls (wait_version) or SQL would hold up every
 # request behind them on the stream; they stay on do_action / do_get.
-SESSION_ACTIONS = ("claim", "claim_many", "ack", "nack", "get_version", "put")
+SESSION_ACTIONS = ("claim", "claim_many", "ack", "nack", "renew", "get_version", "put")
 # Verbs answered once their commit is durable, out of order.
 DURABLE_ACTIONS = ("ack", "nack", "put")
 # Writes waiting for their commit on one session; more block the reading side (back-pressure).

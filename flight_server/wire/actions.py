@@ -39,6 +39,7 @@ ACTION_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "claim_many": (("requests",), ("consumer", "lease_seconds")),
     "ack": (("claim_id",), ()),
     "nack": (("claim_id",), ()),
+    "renew": (("claim_id",), ("lease_seconds",)),
     "bump_version": (("table",), ("expected", "weights_uri")),
     "arrive": (("tables", "expected"), ("weights_uri", "timeout")),
     "set_barrier_timeout": (("table", "seconds"), ()),

@@ -107,21 +107,6 @@ def test_sql_shows_the_renewed_expiry(any_store):
                message="SQL to show the renewed lease_expires_at")
 
 
-def test_micro_batch_renew(any_store):
-    s = any_store
-    _table(s)
-    with s.subscribe("t", micro_batch_size=2, global_batch_size=4, idle_timeout=5,
-                     lease_seconds=0.5) as sub:
-        batch = sub.next(timeout=5)
-        assert batch is not None
-        assert batch.renew(lease_seconds=30)["claim_id"] == batch.claim_id
-        time.sleep(1.5)
-        assert batch.claim_id in _leased_ids(s)
-        assert batch.ack()["acked"] == 2
-        with pytest.raises(LeaseExpired, match="already acked"):
-            batch.renew()
-
-
 def test_a_lease_renewed_shorter_expires_at_its_new_time(any_store):
     s = any_store
     _table(s, rows=1)

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,7 +24,7 @@ from flight_server.cluster.datanode import DataNodeServer
 from flight_server.cluster.locations import parse_key, row_keys
 from flight_server.cluster.security import NO_SECURITY, ClusterSecurity
 from producers import ExperienceWriter
-from store.errors import InvalidArgument, NotFound, PermissionDenied
+from store.errors import InvalidArgument, LeaseExpired, NotFound, PermissionDenied
 
 from flight_fixtures import (TOKENS, WRONG_TOKEN, action_json, bearer, error_code,
                              self_signed_cert, write_tokens)
@@ -199,6 +200,23 @@ def test_a_claim_carries_the_ack_of_the_one_before_to_the_coordinator(cluster):
         with pytest.raises(NotFound, match="nope"):      # a refused ack leases nothing
             trainer.claim("t", 4, ack="nope")
         assert trainer.stats("t")["t"]["processing"] == 0
+
+
+def test_a_claim_is_renewed_through_the_coordinator(cluster):
+    """The coordinator serves the store's ``renew`` as a single server does: the rows stay the
+    claim's past its first lease and its ack succeeds; a twin left alone expires."""
+    with client(cluster, 0) as producer, client(cluster, 1) as trainer:
+        make_table(producer)
+        producer.put("t", rows("a", 4))
+        renewed = trainer.claim("t", 2, lease_seconds=0.5)
+        twin = trainer.claim("t", 2, lease_seconds=0.5)
+        assert trainer.renew(renewed.claim_id, lease_seconds=30)["expires_at"] > \
+            renewed.expires_at + 25
+        time.sleep(1.5)
+        assert [lease["claim_id"] for lease in trainer.leases("t")] == [renewed.claim_id]
+        assert trainer.ack(renewed.claim_id)["acked"] == 2
+        with pytest.raises(LeaseExpired, match="its lease expired"):
+            trainer.renew(twin.claim_id)
 
 
 def test_a_local_node_serves_its_machines_trainer_and_fetches_run_in_parallel(cluster):
