@@ -56,6 +56,7 @@ class RemoteSubscription:
         self.global_batch_size = global_batch_size
         self.idle_timeout = idle_timeout
         self.max_in_flight = int(options.get("max_in_flight") or 2)
+        self._lease_seconds = options.get("lease_seconds")
         self._unsettled: set[str] = set()
         command = SubscribeOptions(table if isinstance(table, str) else self.tables,
                                    micro_batch_size, global_batch_size, options)
@@ -240,6 +241,13 @@ class RemoteSubscription:
             self._at_boundary = True
         self._unsettled.add(item.claim_id)
         return item
+
+    def renew(self, batch: MicroBatch, lease_seconds: float | None = None) -> dict[str, Any]:
+        """Renew a micro-batch's lease (see :meth:`MicroBatch.renew`): a ``renew`` request of
+        the store's own, beside the stream (a renewal needs no order with the stream's acks)."""
+        if lease_seconds is None:
+            lease_seconds = self._lease_seconds
+        return self._remote.renew(batch.claim_id, lease_seconds=lease_seconds)
 
     def _settle(self, batch: RemoteMicroBatch, kind: str, wait: bool = True) -> Any:
         if self._closed or batch.claim_id not in self._unsettled:

@@ -64,6 +64,7 @@ class _Store(Protocol):
     def ack(self, claim_id: str) -> dict[str, Any]: ...
     def ack_async(self, claim_id: str) -> Future: ...
     def nack(self, claim_id: str) -> dict[str, Any]: ...
+    def renew(self, claim_id: str, *, lease_seconds: float | None = None) -> dict[str, Any]: ...
     def get_version(self, table: str) -> int: ...
     def arrive(self, tables: str | list[str], *, expected: int,
                weights_uri: str | None = None) -> int: ...
@@ -110,6 +111,13 @@ class MicroBatch:
     def nack(self, wait: bool = True) -> Any:
         result = self._sub._settle(self, ack=False)
         return result if wait else _done(result)
+
+    def renew(self, lease_seconds: float | None = None) -> dict[str, Any]:
+        """Extend this micro-batch's lease to ``lease_seconds`` from now (None: the
+        subscription's ``lease_seconds``, else its tables'), for a step that outlasts the lease;
+        answers ``{"claim_id", "expires_at"}``. Raises ``LeaseExpired`` once it was acked,
+        nacked or expired (see :meth:`store.embedded.EmbeddedStore.renew`)."""
+        return self._sub.renew(self, lease_seconds)
 
 
 def _done(value: Any) -> Future:
@@ -181,6 +189,7 @@ class Subscription:
         self.micro_batches_per_global = global_batch_size // micro_batch_size
         self._claim_args = {"consumer": consumer or "subscription",
                             "lease_seconds": lease_seconds}
+        self._lease_seconds = lease_seconds
         self.max_in_flight = max_in_flight
         self.idle_timeout = idle_timeout
         self.version = store.get_version(self.table)
@@ -249,6 +258,12 @@ class Subscription:
             self._index -= 1
             self._paused = False
         return result
+
+    def renew(self, batch: MicroBatch, lease_seconds: float | None = None) -> dict[str, Any]:
+        """Renew a micro-batch's lease (see :meth:`MicroBatch.renew`)."""
+        if lease_seconds is None:
+            lease_seconds = self._lease_seconds
+        return self._store.renew(batch.claim_id, lease_seconds=lease_seconds)
 
     def ack_async(self, batch: MicroBatch) -> Future:
         """Ack without waiting: the Future resolves to ack's answer once it is durable. The

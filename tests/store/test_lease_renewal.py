@@ -115,3 +115,20 @@ def test_a_lease_renewed_shorter_expires_at_its_new_time(any_store):
     # the store expires it on its own (no ack or renew of it looks first)
     wait_until(lambda: s.claim("t", 1).num_rows == 1, timeout=30,
                message="the renewed lease to expire at its new time")
+
+
+def test_micro_batch_renew(any_store):
+    s = any_store
+    _table(s)
+    with s.subscribe("t", micro_batch_size=2, global_batch_size=4, idle_timeout=5,
+                     lease_seconds=0.5) as sub:
+        batch = sub.next(timeout=5)
+        assert batch is not None
+        # by default the subscription's own lease_seconds, as its claims take
+        assert batch.renew()["expires_at"] < time.time() + 30
+        assert batch.renew(lease_seconds=30)["claim_id"] == batch.claim_id
+        time.sleep(1.5)
+        assert batch.claim_id in _leased_ids(s)
+        assert batch.ack()["acked"] == 2
+        with pytest.raises(LeaseExpired, match="already acked"):
+            batch.renew()

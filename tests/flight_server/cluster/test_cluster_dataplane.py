@@ -217,6 +217,11 @@ def test_a_claim_is_renewed_through_the_coordinator(cluster):
         assert trainer.ack(renewed.claim_id)["acked"] == 2
         with pytest.raises(LeaseExpired, match="its lease expired"):
             trainer.renew(twin.claim_id)
+        with trainer.subscribe("t", 2, 2, idle_timeout=10) as sub:  # a ClusterSubscription's
+            batch = sub.next(timeout=10)
+            assert batch is not None
+            assert batch.renew(lease_seconds=600)["expires_at"] > time.time() + 500
+            batch.ack()
 
 
 def test_a_local_node_serves_its_machines_trainer_and_fetches_run_in_parallel(cluster):
