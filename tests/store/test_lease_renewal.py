@@ -7,6 +7,7 @@ cluster's coordinator.
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
 
 import pytest
@@ -132,3 +133,45 @@ def test_micro_batch_renew(any_store):
         assert batch.ack()["acked"] == 2
         with pytest.raises(LeaseExpired, match="already acked"):
             batch.renew()
+
+
+def test_a_claim_being_acked_is_not_renewed_and_its_ack_stands(embedded_store):
+    from store.ops import CallOp
+    s = embedded_store
+    _table(s, rows=1)
+    claim = s.claim("t", 1)
+    gate = threading.Event()
+    held = s._writer.submit(CallOp(run=lambda con: gate.wait(30)))  # noqa: SLF001 - writer busy
+    try:
+        acked = s.ack_async(claim.claim_id)   # queued behind the held op: settling
+        with pytest.raises(LeaseExpired, match="is being acked or nacked"):
+            s.renew(claim.claim_id)
+    finally:
+        gate.set()
+    held.result(30)
+    assert acked.result(30)["acked"] == 1
+    assert s.stats("t")["t"]["consumed"] == 1 and s.leases("t") == []
+
+
+@pytest.mark.parametrize("settle", ["ack", "nack"])
+def test_a_renewal_settled_before_its_flush_leaves_no_row_leased(any_store, settle):
+    """The renewal's bookkeeping waits for the writer; the settle that follows at once must
+    supersede it, or a later flush would mark the consumed (or released) rows leased again."""
+    s = any_store
+    _table(s, rows=2)
+    claim = s.claim("t", 2)
+
+    def processing() -> list:
+        return s.query("SELECT is_processing FROM t ORDER BY sample_id").column(0).to_pylist()
+
+    wait_until(lambda: processing() == [True, True], timeout=30,
+               message="the claim's bookkeeping to be written")
+    s.renew(claim.claim_id, lease_seconds=600)
+    getattr(s, settle)(claim.claim_id)
+    wait_until(lambda: processing() == [False, False], timeout=30,
+               message="the settle to be written")
+    time.sleep(1.0)  # past several flush delays: nothing marks the rows leased again
+    assert processing() == [False, False]
+    assert s.leases("t") == []
+    stats = s.stats("t")["t"]
+    assert (stats["consumed"], stats["ready"]) == ((2, 0) if settle == "ack" else (0, 2))
