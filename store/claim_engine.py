@@ -11,7 +11,7 @@ claims), and by-reference values are read from the blob store.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -302,57 +302,68 @@ class ClaimEngine:
     def _several_puts_table(self, live: LiveTable,
                             sources: dict[int, tuple[pa.Table, list[int], list[int]]],
                             deliveries: list[int]) -> pa.Table:
-        """The claim's table from rows of several cached tables (a claim spanning puts): each
-        column cut in claim order from the puts' columns, by runs of consecutive rows, in one
-        copy.
+        """The claim's table from rows of several cached tables (a claim spanning puts), in
+        claim order: sliced from the puts' columns where they are held in memory
+        (:meth:`_held_runs_table`, the usual case); else each table's rows cut as one put's
+        are (:meth:`_one_put_table`), then put into claim order by runs.
 
-        A put's columns are taken whole where its values are held in memory
-        (:meth:`_whole_put_columns`: nothing cut or copied yet); where they are not, that put's
-        rows are read and cut first, as a claim within one put's are. Why not every put's rows
-        cut into a table and the tables joined in claim order: that copied each value twice,
-        and built a table per put (A/B in BENCHMARKS.md, "a claim spanning puts")."""
-        columns: list[list[pa.Array | pa.ChunkedArray | None]] = []
-        # (put, row in its columns) of each claim position
+        Why not the cached tables' rows cut, joined and their keys resolved one by one: parsing
+        and grouping a key per value in Python made a claim spanning two puts several times as
+        costly as one within a put."""
+        held = self._held_runs_table(live, sources, deliveries)
+        if held is not None:
+            return held
+        parts: list[pa.Table] = []
+        # (part, row in it) of each claim position
         where: list[tuple[int, int]] = [(0, 0)] * len(deliveries)
         for k, (table, indices, positions) in enumerate(sources.values()):
-            whole = self._whole_put_columns(live, table)
-            at: Sequence[int] = indices
-            if whole is None:
-                cut = self._one_put_table(live, table, RowCut(indices),
-                                          _first_deliveries(len(indices)))
-                whole, at = list(cut.columns), range(len(indices))
-            columns.append(whole)
-            for row, p in zip(at, positions):
+            delivery_count = _delivery_count([deliveries[p] for p in positions])
+            parts.append(self._one_put_table(live, table, RowCut(indices), delivery_count))
+            for j, p in enumerate(positions):
+                where[p] = (k, j)
+        pieces = [parts[k].slice(start, n) for k, start, n in _runs_across(where)]
+        return pa.concat_tables(pieces).combine_chunks()
+
+    def _held_runs_table(self, live: LiveTable,
+                         sources: dict[int, tuple[pa.Table, list[int], list[int]]],
+                         deliveries: list[int]) -> pa.Table | None:
+        """The claim's table sliced by runs (consecutive rows of one put, in claim order)
+        straight from the puts' columns, joined in one copy: the plain columns as each put's
+        one record batch, the by-reference ones as their chunks held in memory hold them (row
+        ``j`` of each is row ``j`` of the put). None unless every put is one record batch whose
+        by-reference values are all held, as their columns' types, and all divide their
+        columns alike (:class:`PutLayout`).
+
+        Why: cutting each put's rows into a table, then joining those in claim order, copied
+        every value twice and built a table per put; a claim's groups often come from many
+        puts (rollouts finish out of input-id order). Why a record batch per put, not each
+        column sliced by runs: a slice per column and run cost more than the copy for a claim
+        of a few rows (A/B in BENCHMARKS.md, "a claim spanning puts")."""
+        layouts: list[PutLayout] = []
+        values: list[list[pa.Array]] = []
+        for table, _, _ in sources.values():
+            layout = self._layout(live, table)
+            if not isinstance(layout.plain, pa.RecordBatch) or (
+                    layouts and layout.plain_at != layouts[0].plain_at):
+                return None
+            held = self._blobs.put_values(table, layout.key_ats)
+            if any(v is None or v.type != t for v, t in zip(held, layout.value_types)):
+                return None
+            layouts.append(layout)
+            values.append(held)
+        # (put, its row) of each claim position
+        where: list[tuple[int, int]] = [(0, 0)] * len(deliveries)
+        for k, (_, indices, positions) in enumerate(sources.values()):
+            for row, p in zip(indices, positions):
                 where[p] = (k, row)
         runs = _runs_across(where)
-        schema = live.tdef.claim_schema()
-        arrays: list[pa.Array] = []
-        for position, field in enumerate(schema):
-            if live.claim_sources[position] < 0:
-                arrays.append(_delivery_count(deliveries))
-                continue
-            pieces: list[pa.Array] = []
-            for k, start, n in runs:
-                part = columns[k][position].slice(start, n)  # type: ignore[union-attr]
-                for piece in part.chunks if isinstance(part, pa.ChunkedArray) else (part,):
-                    pieces.append(piece if piece.type == field.type else piece.cast(field.type))
-            arrays.append(pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces))
-        return pa.Table.from_arrays(arrays, schema=schema)
-
-    def _whole_put_columns(self, live: LiveTable, table: pa.Table
-                           ) -> list[pa.Array | pa.ChunkedArray | None] | None:
-        """Every row of a cached put's claim columns, in claim order (None for
-        ``delivery_count``), sharing the put's buffers: the plain columns as cached, the
-        by-reference ones as the chunks held in memory hold them (row ``j`` of each is row
-        ``j`` of the put); None where a by-reference column's chunk is not held."""
-        layout = self._layout(live, table)
-        held = self._blobs.put_values(table, layout.key_ats)
-        if any(values is None for values in held):
-            return None
-        by_at: dict[int, pa.Array | pa.ChunkedArray] = dict(zip(layout.plain_at,
-                                                                layout.plain.columns))
-        by_at.update((value_at, values) for (value_at, _), values in zip(layout.refs, held))
-        return [None if at < 0 else by_at[at] for at in live.claim_sources]
+        batch = _joined([layouts[k].plain.slice(at, n) for k, at, n in runs], pa.concat_batches)
+        refs = [_joined([values[k][i].slice(at, n) for k, at, n in runs], pa.concat_arrays)
+                for i in range(len(layouts[0].refs))]
+        delivery_count = _delivery_count(deliveries)
+        for position, field, i in layouts[0].inserts:
+            batch = batch.add_column(position, field, delivery_count if i < 0 else refs[i])
+        return pa.Table.from_batches([batch], schema=live.tdef.claim_schema())
 
     def _read_values(self, live: LiveTable, claimed: list[Row]) -> Payloads:
         """Values of claimed rows that have none cached, read from DuckDB with those of the next
@@ -492,6 +503,11 @@ def _first_deliveries(n: int) -> pa.Array:
             return pa.array(np.ones(n, np.int32))
         ones = _ONES_BY_LENGTH[n] = _ONES.slice(0, n)
     return ones
+
+
+def _joined(pieces: list, concat: Callable[[list], Any]) -> Any:
+    """One piece as it is (a zero-copy slice), several joined by ``concat`` (one copy)."""
+    return pieces[0] if len(pieces) == 1 else concat(pieces)
 
 
 def _runs_across(where: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
