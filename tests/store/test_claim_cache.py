@@ -240,8 +240,9 @@ def test_puts_held_inline_and_by_reference_each_claim_their_own_values(open_stor
                          ids=["chunks-held", "chunks-on-disk", "first-put-partly-on-disk",
                               "second-put-from-duckdb"])
 def test_claims_spanning_puts_carry_each_rows_values_and_deliveries(open_store, options):
-    """Claims whose rows come from two puts, their groups interleaved in claim order (each
-    column cut in claim order from both puts' columns): every row comes with its own values,
+    """Claims whose rows come from two puts, their groups interleaved in claim order (sliced
+    by runs from both puts' held columns, or each put's rows cut first where its values are not
+    held): every row comes with its own values,
     by value and by reference, and its own delivery count, in claim order; whether the puts'
     blob chunks are held in memory or read from disk, or one put's are held and the other's
     not (each put's chunks take ~290 KB: 400 KB holds the second's and part of the first's),
