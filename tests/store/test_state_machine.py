@@ -211,6 +211,20 @@ class StoreMachine(RuleBasedStateMachine):
         for key in c.keys:
             self._return(self.rows[key])
 
+    @rule(claim_id=claims, lease=st.sampled_from([None, 1.0, 5.0, 20.0]))
+    def renew(self, claim_id, lease):
+        if not claim_id:
+            return
+        c = self.model_claims[claim_id]
+        if c.outcome is not None:
+            with pytest.raises(LeaseExpired):
+                self.s.renew(claim_id, lease_seconds=lease)
+            return
+        answer = self.s.renew(claim_id, lease_seconds=lease)
+        # None: the table's lease_seconds (10 s)
+        assert answer["expires_at"] == self.clock.now + (10.0 if lease is None else lease)
+        c.expires_at = answer["expires_at"]
+
     @rule(seconds=st.sampled_from([0.5, 2.0, 6.0, 11.0]))
     def advance_clock(self, seconds):
         self.clock.now += seconds
@@ -252,6 +266,11 @@ class StoreMachine(RuleBasedStateMachine):
                 holders[key] = c.claim_id
                 assert self.rows[key].state == "processing"
                 assert self.rows[key].claim == c.claim_id
+
+    @invariant()
+    def leases_end_when_the_model_says(self):
+        got = {lease["claim_id"]: lease["expires_at"] for lease in self.s.leases("t")}
+        assert got == {c.claim_id: c.expires_at for c in self._held()}
 
     @invariant()
     def one_sql_row_per_written_key(self):
