@@ -10,8 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# A clean clone has no mypy cache: its first run can take minutes on a slow, loaded CI machine,
-# near the default per-test limit (pyproject.toml); the subprocess's own limit governs instead.
+# A clean clone has no mypy cache: its first run is the slowest (tens of seconds, more on a slow,
+# loaded CI machine); the subprocess's own limit governs, not the default per-test one.
 @pytest.mark.timeout(900)
 def test_mypy_finds_no_errors_in_the_packages():
     pytest.importorskip("mypy", reason="mypy (the dev extra) is not installed")
