@@ -341,7 +341,9 @@ class ClaimEngine:
         of a few rows (A/B in BENCHMARKS.md, "a claim spanning puts")."""
         layouts: list[PutLayout] = []
         values: list[list[pa.Array]] = []
-        for table, _, _ in sources.values():
+        # (put, its row) of each claim position
+        where: list[tuple[int, int]] = [(0, 0)] * len(deliveries)
+        for k, (table, indices, positions) in enumerate(sources.values()):
             layout = self._layout(live, table)
             if not isinstance(layout.plain, pa.RecordBatch) or (
                     layouts and layout.plain_at != layouts[0].plain_at):
@@ -351,9 +353,6 @@ class ClaimEngine:
                 return None
             layouts.append(layout)
             values.append(held)
-        # (put, its row) of each claim position
-        where: list[tuple[int, int]] = [(0, 0)] * len(deliveries)
-        for k, (_, indices, positions) in enumerate(sources.values()):
             for row, p in zip(indices, positions):
                 where[p] = (k, row)
         runs = _runs_across(where)
