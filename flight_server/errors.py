@@ -91,8 +91,7 @@ def as_store_error(error: BaseException) -> E.ExpstoreError:
 
 
 def _refused(error: E.ExpstoreError) -> E.ExpstoreError:
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("refused: [%s] %s", error.code, error)
+    log.debug("refused: [%s] %s", error.code, error)
     return error
 
 

@@ -15,11 +15,9 @@ __all__ = ["check_can_listen"]
 
 
 def check_can_listen(host: str, port: int, option: str = "--port") -> None:
-    """Refuse, with the cause and what to do, an address gRPC could not listen on.
-
-    gRPC's own failure is "Server did not start properly" between lines of its C-core's log, the
-    same for every cause; a bind tried here first tells them apart. (A port taken between this
-    check and the server's bind still fails the server's way.)
+    """Refuse, with the cause and what to do, an address gRPC could not listen on (see the
+    module docstring). A port taken between this check and the server's bind still fails the
+    server's way.
 
     Raises:
         InvalidArgument: the host is unknown or not an address of this machine, or the port is in
