@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -25,14 +23,14 @@ import duckdb
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from .barrier import DEFAULT_BARRIER_TIMEOUT, SETTING_PREFIX, check_expected, check_timeout, \
-    weights_of
+from . import maintenance
+from .barrier import DEFAULT_BARRIER_TIMEOUT, check_expected, check_timeout, weights_of
 from .barriers import Barriers
 from .blobs import BlobStore
 from .claim_engine import ClaimEngine
 from .claims import Claim, ClaimRequest, check_lease_seconds, claim_requests
-from .errors import AlreadyExists, ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
-    StorageError, StoreClosed, TableFull, Unavailable
+from .errors import ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
+    StorageError, StoreClosed, TableFull
 from .index import StoreIndex
 from .live import Lease, LiveTable
 from .naming import check_identifier, quote
@@ -42,11 +40,15 @@ from .prepare import SMALL_ROWS, check_columns, put_timeout, put_versions, to_ar
 from .putlog import PutLog, log_path, replay
 from .readers import Readers
 from .recovery import load_state
-from .retention import check_drop_rows, check_keep_versions, drop_finished_rows
+from .reports import lease_list, table_stats
+from .retention import check_drop_rows, check_keep_versions
 from .schema import TableDef
 from .settings import StoreSettings
 from .sqlguard import check_query_options, check_select
-from .sqlvalues import drop_keys, whole_table, with_values
+from .sql_query import run_select
+from .table_ddl import create_table_op, drop_table_op
+from .versions import barrier_timeout_op, check_bump, check_weights_uri, group_of, \
+    wait_version
 from .writer import Writer
 
 log = logging.getLogger("expstore.store")
@@ -135,63 +137,13 @@ class EmbeddedStore:
         tdef = TableDef.build(name, columns, version_group=version_group,
                               max_staleness=max_staleness, max_deliveries=max_deliveries,
                               lease_seconds=lease_seconds, storage=storage, required=required)
-
-        def run(con: duckdb.DuckDBPyConnection) -> bool:
-            # SQL folds identifiers' case, quoted or not: "EXP" beside "exp" is one table to it.
-            clash = next((t for t in self._index.live if t.lower() == name.lower() and t != name),
-                         None)
-            if clash is not None:
-                raise AlreadyExists(f"table {name!r} clashes with the existing table {clash!r}: "
-                                    "table names that differ only in case are one name in SQL; "
-                                    "choose another name")
-            if name in self._index.live:
-                if if_not_exists:
-                    return False
-                raise AlreadyExists(f"table {name!r} already exists; pass if_not_exists=True to "
-                                    "accept an existing table")
-            con.execute(tdef.ddl())
-            con.execute("INSERT INTO _expstore_tables (name, definition, version_group) "
-                        "VALUES (?, ?, ?)", [name, tdef.to_json(), tdef.version_group])
-            if tdef.version_group not in self._index.versions:
-                con.execute("INSERT INTO _expstore_groups (name, version) VALUES (?, 0)",
-                            [tdef.version_group])
-                con.execute("INSERT INTO _expstore_versions (version_group, version) "
-                            "VALUES (?, 0)", [tdef.version_group])
-            return True
-
-        def apply(created: bool) -> None:
-            if created:
-                self._index.add_table(tdef)
-
-        self._writer.call(CallOp(run, apply))
+        self._writer.call(create_table_op(self._index, tdef, if_not_exists))
         return self.describe(name)
 
     def drop_table(self, name: str, *, if_exists: bool = False) -> bool:
         """Drop a table and its rows; leases on it end. Blobs go at the next :meth:`gc`."""
         check_identifier(name, "table")
-
-        def run(con: duckdb.DuckDBPyConnection) -> bool:
-            live = self._index.live.get(name)
-            if live is None:
-                if if_exists:
-                    return False
-                raise self._index.no_table(name)
-            con.execute(f"DROP TABLE {quote(name)}")
-            con.execute("DELETE FROM _expstore_tables WHERE name = ?", [name])
-            group = live.tdef.version_group
-            if not any(t.tdef.version_group == group
-                       for n, t in self._index.live.items() if n != name):
-                con.execute("DELETE FROM _expstore_groups WHERE name = ?", [group])
-                con.execute("DELETE FROM _expstore_versions WHERE version_group = ?", [group])
-                con.execute("DELETE FROM _expstore_settings WHERE key = ?",
-                            [SETTING_PREFIX + group])
-            return True
-
-        def apply(dropped: bool) -> None:
-            if dropped:
-                self._index.drop_table(name)
-
-        return bool(self._writer.call(CallOp(run, apply)))
+        return bool(self._writer.call(drop_table_op(self._index, name, if_exists)))
 
     def list_tables(self) -> list[str]:
         with self._index.lock:
@@ -487,10 +439,7 @@ class EmbeddedStore:
             VersionConflict: ``expected`` is not the current version.
         """
         live = self._index.live_table(table)
-        if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool)):
-            raise InvalidArgument(f"expected version {expected!r} is not an integer")
-        if weights_uri is not None and not isinstance(weights_uri, str):
-            raise InvalidArgument(f"weights_uri {weights_uri!r} is not a string")
+        check_bump(expected, weights_uri)
         return int(self._writer.call(BumpOp(live.tdef.version_group, expected, weights_uri)))
 
     def wait_version(self, table: str, min_version: int, timeout: float | None = None) -> int:
@@ -500,20 +449,7 @@ class EmbeddedStore:
         """
         if self._closed:
             raise StoreClosed("the store is closed")
-        if not isinstance(min_version, int) or isinstance(min_version, bool):
-            raise InvalidArgument(f"min_version {min_version!r} is not an integer")
-        live = self._index.live_table(table)
-        group = live.tdef.version_group
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._index.changed:
-            while self._index.versions.get(group, -1) < min_version and not self._closed:
-                if self._index.waits_ended is not None:
-                    raise Unavailable(self._index.waits_ended)
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    break
-                self._index.changed.wait(remaining if remaining is not None else 1.0)
-            return self._index.versions.get(group, -1)
+        return wait_version(self._index, table, min_version, timeout, lambda: self._closed)
 
     def weights_uri(self, table: str) -> str | None:
         """Where the table's trainer published the weights of the current version (its own
@@ -552,12 +488,11 @@ class EmbeddedStore:
         waits on, as a long poll does).
         """
         check_expected(expected)
-        if weights_uri is not None and not isinstance(weights_uri, str):
-            raise InvalidArgument(f"weights_uri {weights_uri!r} is not a string")
+        check_weights_uri(weights_uri)
         names = [tables] if isinstance(tables, str) else list(tables)
         if not names:
             raise InvalidArgument("arrive needs at least one table")
-        group = self._group_of(names)
+        group = group_of(self._index, names)
         return self._barriers.arrive_poll(group, names, expected, weights_uri, timeout)
 
     def set_barrier_timeout(self, table: str, seconds: float) -> float:
@@ -565,28 +500,13 @@ class EmbeddedStore:
         counted from a round's first arrival (durable; default 600 s)."""
         seconds = check_timeout(seconds)
         group = self._index.live_table(table).tdef.version_group
-
-        def run(con: duckdb.DuckDBPyConnection) -> None:
-            con.execute("INSERT OR REPLACE INTO _expstore_settings (key, value) VALUES (?, ?)",
-                        [SETTING_PREFIX + group, repr(seconds)])
-
-        def apply(_: None) -> None:
-            self._index.barrier_timeouts[group] = seconds
-
-        self._writer.call(CallOp(run, apply))
+        self._writer.call(barrier_timeout_op(self._index, group, seconds))
         return seconds
 
     def barrier(self, table: str) -> dict[str, Any]:
         """The state of the table's version group's barrier: ``{"version_group", "version",
         "members", "arrived", "waiting_for", "timeout", "seconds_left", "failed"}``."""
         return self._barriers.state(self._index.live_table(table).tdef.version_group)
-
-    def _group_of(self, tables: list[str]) -> str:
-        groups = {name: self._index.live_table(name).tdef.version_group for name in tables}
-        if len(set(groups.values())) != 1:
-            raise InvalidArgument(f"tables {groups} are in different version groups; one "
-                                  "arrival (or subscription) covers tables of one group")
-        return next(iter(groups.values()))
 
     def wait_changed(self, since: int, timeout: float) -> int:
         """Block until something changed after change number ``since`` (for subscriptions)."""
@@ -628,19 +548,8 @@ class EmbeddedStore:
         """
         check_select(sql)
         check_query_options(params, timeout)
-        limit = self.query_timeout if timeout is None else timeout
-        readers = self._readers
-        deadline = readers.take_query_slot(limit, "the query")
-        try:
-            name = whole_table(sql) if not params else None
-            live = self._index.live.get(name) if name is not None else None
-            if live is not None and live.claim_refs:
-                # a whole table: read as stored, its values cut afterwards (see whole_table)
-                stored = readers.run(sql, [], limit, deadline, stored=live.tdef.name)
-                return drop_keys(with_values(self.blobs, stored, live.tdef))
-            return drop_keys(readers.run(sql, list(params or []), limit, deadline))
-        finally:
-            readers.release_query_slot()
+        return run_select(self._readers, self._index, self.blobs, sql, params,
+                          self.query_timeout if timeout is None else timeout)
 
     def check_predicate(self, table: str, where: str) -> None:
         """Bind a claim predicate to the table without evaluating it on any row, so that one
@@ -660,51 +569,13 @@ class EmbeddedStore:
         out: dict[str, Any] = {}
         for name in names:
             live = self._index.live_table(name)
-            out[name] = self._writer.call(ReadOp(functools.partial(self._table_stats, live)))
+            out[name] = self._writer.call(ReadOp(functools.partial(table_stats, self._index,
+                                                                    live)))
         return out
-
-    def _table_stats(self, live: LiveTable, con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
-        """One table's stats, on the writer thread between two groups (see ReadOp)."""
-        name = live.tdef.name
-        if self._index.live.get(name) is not live:
-            raise self._index.no_table(name)  # dropped since stats() looked it up
-        per_version = con.execute(
-            f"SELECT policy_version, count(*), count(*) FILTER (WHERE consumed), "
-            f"count(*) FILTER (WHERE stale AND NOT consumed), "
-            f"count(*) FILTER (WHERE dead AND NOT consumed AND NOT stale) "
-            f"FROM {quote(name)} GROUP BY 1 ORDER BY 1").fetchall()
-        with self._index.lock:
-            ready, processing = live.ready_count, live.leased_count
-            live_rows = len(live.rows)
-            version = self._index.version_of(live)
-            # Expired leases' stale/dead rows left memory; their flags are not written yet.
-            unflushed = self._index.unwritten_row_updates(name)
-        total, consumed, stale, dead = (sum(int(r[i]) for r in per_version) for i in (1, 2, 3, 4))
-        stale += sum(1 for u in unflushed if u.stale)
-        dead += sum(1 for u in unflushed if u.dead and not u.stale)
-        return {
-            "version": version, "version_group": live.tdef.version_group,
-            "rows": total, "pending": live_rows - ready - processing, "ready": ready,
-            "processing": processing, "consumed": consumed, "stale": stale, "dead": dead,
-            "rows_per_version": {int(r[0]): int(r[1]) for r in per_version},
-        }
 
     def leases(self, table: str | None = None) -> list[dict[str, Any]]:
         """The claims currently leased: id, owner, expiry, rows per table."""
-        if table is not None:
-            self._index.live_table(table)  # an unknown table is an error, as for stats()
-        with self._index.lock:
-            out = []
-            for lease in self._index.claims.values():
-                tables: dict[str, int] = {}
-                for live, _ in lease.rows:
-                    tables[live.tdef.name] = tables.get(live.tdef.name, 0) + 1
-                if table is not None and table not in tables:
-                    continue
-                out.append({"claim_id": lease.claim_id, "consumer": lease.owner,
-                            "expires_at": lease.expires_at, "state": lease.state,
-                            "rows": tables})
-            return sorted(out, key=lambda d: d["expires_at"])
+        return lease_list(self._index, table)
 
     # -- maintenance ------------------------------------------------------------------------------
     def gc(self, *, drop_rows: Any = (), keep_versions: Any = 0) -> dict[str, int]:
@@ -720,25 +591,7 @@ class EmbeddedStore:
         """
         states = check_drop_rows(drop_rows)
         keep = check_keep_versions(keep_versions)
-
-        def run(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
-            dropped = 0
-            for live in self._index.live.values():
-                dropped += drop_finished_rows(
-                    con, live.tdef.name, states,
-                    self._index.version_of(live) - max(live.tdef.max_staleness, keep))
-            self.blobs.roll()
-            live_segments: set[int] = set()
-            for live in self._index.live.values():
-                for c in live.tdef.columns:
-                    if c.ref:
-                        rows = con.execute(
-                            f"SELECT DISTINCT CAST(split_part({quote(c.ref)}, ':', 1) AS BIGINT) "
-                            f"FROM {quote(live.tdef.name)} WHERE {quote(c.ref)} IS NOT NULL"
-                        ).fetchall()
-                        live_segments.update(int(r[0]) for r in rows)
-            return {**self.blobs.collect(live_segments), "rows_dropped": dropped}
-        return self._writer.call(CallOp(run))
+        return self._writer.call(maintenance.gc_op(self._index, self.blobs, states, keep))
 
     def checkpoint(self) -> None:
         """Fold the WAL into the database file now."""
@@ -757,41 +610,17 @@ class EmbeddedStore:
         the database cannot be written (a full disk; ``storage`` says since when and what waits):
         changes are refused with the retryable ``StorageUnavailable`` until the store recovers
         on its own."""
-        writer = self._writer
-        fatal, fault = writer.fatal, writer.fault
-        failed = fatal is not None or fault is not None
-        out: dict[str, Any] = {
-            "status": "closed" if self._closed else "failed" if failed else "ok",
-            "tables": len(self._index.live), "commits": writer.commits,
-            "claim_cache_bytes": self.cache.used, "claim_cache_limit": self.cache.limit}
-        if fatal is not None:
-            out["error"] = repr(fatal)
-        elif fault is not None:
-            out["error"] = f"the database cannot be written: {fault.cause}"
-            out["storage"] = fault.describe(writer.waiting_changes)
-        return out
+        return maintenance.health(self._index, self._writer, self._closed)
 
     def gauges(self) -> dict[str, Any]:
         """What monitoring samples (see flight_server/metrics.py): per table its version and
         rows ready, processing and pending; the writer's queue depth and whether it runs; the
         bytes on disk of the database, its WAL, the put log and the blob segments."""
-        writer = self._writer
-        return {"tables": self._index.table_gauges(), "writer_queue_depth": writer.queue_depth,
-                "writer_running": writer.fatal is None, "disk": self.disk_bytes()}
+        return maintenance.gauges(self._index, self._writer, self.disk_bytes())
 
     def disk_bytes(self) -> dict[str, int]:
         """Bytes on disk: ``database``, ``wal``, ``putlog``, ``blobs`` (a file not there: 0)."""
-        def size(path: str) -> int:
-            try:
-                return os.path.getsize(path)
-            except OSError:
-                return 0
-        try:
-            blobs = self.blobs.disk_bytes()
-        except (OSError, pa.ArrowException):  # a remote filesystem that cannot answer now
-            blobs = 0
-        return {"database": size(self.path), "wal": size(f"{self.path}.wal"),
-                "putlog": size(log_path(self.path)), "blobs": blobs}
+        return maintenance.disk_bytes(self.path, self.blobs)
 
     def _reopen_database(self) -> duckdb.DuckDBPyConnection:
         """Close every connection to the database and open it again (the writer calls this

@@ -47,6 +47,10 @@ STORE_LAYERS = {
     "store.settle": WRITER_READS, "store.checkpoints": WRITER_READS, "store.logged": WRITER_READS,
     "store.readers": WRITER_READS, "store.claim_engine": WRITER_READS,
     "store.barriers": WRITER_READS,
+    # what the facade hands on: table DDL, versions, SQL reads, reports, maintenance
+    "store.table_ddl": WRITER_READS, "store.versions": WRITER_READS,
+    "store.sql_query": WRITER_READS, "store.reports": WRITER_READS,
+    "store.maintenance": WRITER_READS,
     # the facade and what is built on it
     "store.embedded": FACADE, "store.subscription": FACADE, "store": FACADE,
 }
