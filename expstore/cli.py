@@ -5,8 +5,10 @@ Every command opens one store (``--db PATH`` embedded, or ``--uri grpc://…`` r
 ``--json`` for scripts. Library errors (:class:`store.ExpstoreError`) become
 :class:`click.ClickException` in one place (:class:`expstore.options.ExpstoreCommand`), so a bad
 table name or type ends with a one-line message and exit status 1, never a traceback. The
-options every command shares are in expstore/options.py; ``expstore cluster`` is in
-expstore/cluster_commands.py.
+options every command shares are in expstore/options.py. This module holds the group and the
+smaller commands; groups of larger ones are in modules of their own, registered here:
+``query`` in expstore/query_command.py, ``stats`` and ``leases`` in expstore/stats_commands.py,
+``version`` in expstore/version_commands.py, ``cluster`` in expstore/cluster_commands.py.
 
 Example::
 
@@ -15,18 +17,11 @@ Example::
 """
 from __future__ import annotations
 
-import csv
-import datetime as dt
 import importlib
-import json
 import logging
 import os
-import shutil
 import sys
-import textwrap
-import time
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 # gRPC's C core logs each failed TLS handshake and retry on stderr at its default verbosity;
 # the command's own one-line error says what failed. Set before any channel opens.
@@ -35,16 +30,17 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 import click
 
 from store.cache import DEFAULT_CACHE_LIMIT
-from store.errors import AlreadyExists, ExpstoreError, Unavailable
+from store.errors import AlreadyExists, ExpstoreError
 
 from . import __version__
 from .cluster_commands import cluster
 from .options import (DEFAULT_PORT, ExpstoreGroup, Target, db_option, json_option, size_option,
                       store_options)
-from .output import MAX_CELL, echo_json, format_pairs, format_result, format_table, raw_cell
+from .output import echo_json, format_pairs, format_table
+from .query_command import query
 from .serve import SHUTDOWN_GRACE_SECONDS
-
-QUERY_FORMATS = ("table", "csv", "json", "parquet")
+from .stats_commands import leases, stats
+from .version_commands import version
 
 
 # -- the group ----------------------------------------------------------------------------------------
@@ -306,321 +302,6 @@ def _print_description(d: dict[str, Any], as_json: bool) -> None:
                              for c in d.get("columns", [])]))
 
 
-# -- query ------------------------------------------------------------------------------------------
-def _param(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-@cli.command()
-@click.argument("sql")
-@click.option("--param", "-p", "params", multiple=True, metavar="VALUE",
-              help="Value bound to the next ? (JSON if it parses, else a string; repeatable).")
-@click.option("--format", "fmt", type=click.Choice(QUERY_FORMATS), default=None,
-              help="Output format [default: from --output's name (.csv, .json, .parquet), else "
-                   "table; parquet needs --output].")
-@click.option("--output", "-o", type=click.Path(dir_okay=False),
-              help="Write to this file instead of stdout.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
-              help="Cancel the query after this long (default: the store's limit).")
-@click.option("--max-width", type=click.IntRange(min=4), default=MAX_CELL, show_default=True,
-              help="With --format table: cut cells longer than this.")
-@click.option("--vertical", "-x", is_flag=True,
-              help="With --format table: one block of 'column value' lines per row (chosen by "
-                   "itself when the columns do not fit the terminal side by side).")
-@store_options()
-@json_option
-def query(sql: str, params: tuple[str, ...], fmt: str | None, output: str | None,
-          timeout: float | None, max_width: int, vertical: bool, target: Target,
-          as_json: bool) -> None:
-    """Run one read-only SELECT and print the result.
-
-    A result with more columns than fit the terminal side by side is shown one row per block
-    (--vertical) instead of cutting every cell to a few characters.
-
-    \b
-    Example:
-        expstore query "SELECT sample_id, reward FROM solver WHERE reward > ?" -p 0.5
-        expstore query "SELECT * FROM solver LIMIT 3" --vertical
-        expstore query "SELECT * FROM solver" -o solver.csv
-        expstore query "SELECT * FROM solver" --format parquet -o solver.parquet
-    """
-    if as_json:
-        if fmt not in (None, "json"):
-            raise click.UsageError(f"--json and --format {fmt} exclude each other")
-        fmt = "json"
-    fmt = fmt or (_format_of(output) if output else "table")
-    if fmt == "parquet" and not output:
-        raise click.UsageError("--format parquet needs --output FILE")
-    with target.open() as s:
-        result = s.query(sql, [_param(p) for p in params] if params else None, timeout=timeout)
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        pq.write_table(result, output)
-        click.echo(f"wrote {result.num_rows} rows to {output}", err=True)
-        return
-    with _text_sink(output) as out:
-        if fmt == "json":
-            from .output import dumps
-
-            out.write(dumps(result.to_pylist()) + "\n")
-        elif fmt == "csv":
-            writer = csv.writer(out, lineterminator="\n")
-            writer.writerow(result.column_names)
-            for row in result.to_pylist():
-                writer.writerow([raw_cell(v) for v in row.values()])
-        else:
-            rows = [list(r.values()) for r in result.to_pylist()]
-            out.write(format_result(result.column_names, rows, max_cell=max_width,
-                                    vertical=True if vertical else None) + "\n")
-            out.write(f"({result.num_rows} row{'s' if result.num_rows != 1 else ''})\n")
-    if output:
-        click.echo(f"wrote {result.num_rows} rows to {output}", err=True)
-
-
-_QUERY_FORMAT_OF_SUFFIX = {".csv": "csv", ".json": "json", ".parquet": "parquet",
-                           ".pq": "parquet"}
-
-
-def _format_of(path: str) -> str:
-    """The query output format a file name asks for; table text for any other name."""
-    return _QUERY_FORMAT_OF_SUFFIX.get(os.path.splitext(path)[1].lower(), "table")
-
-
-@contextmanager
-def _text_sink(path: str | None) -> Iterator[Any]:
-    if path is None:
-        yield sys.stdout
-        return
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        yield f
-
-
-# -- stats / leases -----------------------------------------------------------------------------
-STATS_COLUMNS = ["version", "rows", "pending", "ready", "processing", "consumed", "stale", "dead"]
-
-
-def _stats_text(stats: dict[str, Any], table: str | None) -> str:
-    if not stats:
-        return "no tables"
-    rows = [[name, s.get("version_group")] + [s.get(c) for c in STATS_COLUMNS]
-            for name, s in sorted(stats.items())]
-    text = format_table(["table", "group"] + STATS_COLUMNS, rows)
-    if table is not None and table in stats:
-        line = "rows per policy version: " + _per_version_text(
-            stats[table].get("rows_per_version") or {})
-        text += "\n\n" + textwrap.fill(line, width=shutil.get_terminal_size((120, 24)).columns,
-                                       subsequent_indent="  ", break_long_words=False,
-                                       break_on_hyphens=False)
-    return text
-
-
-#: Versions the text view of stats lists one by one (the newest); --json has every one.
-STATS_VERSIONS_SHOWN = 10
-
-
-def _per_version_text(per_version: dict[Any, int]) -> str:
-    """``v0: 25, v1: 3, …``: the newest versions one by one, the older ones summed up in one
-    entry, so that a run of thousands of versions still fits a terminal."""
-    if not per_version:
-        return "none"
-    items = sorted((int(v), n) for v, n in per_version.items())
-    older, newest = items[:-STATS_VERSIONS_SHOWN], items[-STATS_VERSIONS_SHOWN:]
-    parts = [f"v{v}: {n}" for v, n in newest]
-    if older:
-        parts.insert(0, f"v{older[0][0]}–v{older[-1][0]}: {sum(n for _, n in older)} rows in "
-                        f"{len(older)} versions")
-    return ", ".join(parts)
-
-
-@cli.command()
-@click.argument("table", required=False)
-@click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
-@click.option("--interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
-              metavar="SECONDS", help="With --watch: seconds between refreshes.")
-@click.option("--count", type=click.IntRange(min=1), metavar="N",
-              help="With --watch: stop after N refreshes.")
-@store_options()
-@json_option
-def stats(table: str | None, watch: bool, interval: float, count: int | None, target: Target,
-          as_json: bool) -> None:
-    """Rows by state (pending, ready, processing, consumed, stale, dead) and versions.
-
-    With --watch the view refreshes every --interval seconds; with --json each refresh is one
-    JSON line.
-
-    \b
-    Example:
-        expstore stats
-        expstore stats solver --json
-        expstore stats --uri grpc://127.0.0.1:8815 --watch --interval 1
-    """
-    data: dict[str, Any] | None
-    down: str | None
-    with target.open() as s:
-        if not watch:
-            data = s.stats(table)
-            if as_json:
-                echo_json(data)
-            else:
-                click.echo(_stats_text(data, table))
-            return
-        from .output import dumps
-
-        refreshes = 0
-        try:
-            while True:
-                try:
-                    data, down = s.stats(table), None
-                except Unavailable as e:  # a server restarting: watch it come back
-                    data, down = None, _why_unavailable(e, target)
-                refreshes += 1
-                if as_json:
-                    click.echo(dumps(data if down is None else
-                                     {"error": down, "code": Unavailable.code}, indent=None))
-                else:
-                    click.clear()
-                    now = dt.datetime.now().strftime("%H:%M:%S")
-                    click.echo(f"expstore stats  {target.address}  {now}  "
-                               f"(every {interval:g} s, Ctrl-C to stop)\n")
-                    click.echo(_stats_text(data, table) if data is not None else
-                               f"unavailable: {down}\n(trying again every {interval:g} s)")
-                if count is not None and refreshes >= count:
-                    return
-                time.sleep(interval)
-        except KeyboardInterrupt:
-            return
-
-
-def _why_unavailable(error: Exception, target: Target) -> str:
-    """Why a server does not answer: a refused connection (nothing listens there now) in the
-    CLI's words rather than gRPC's, else the error's own message."""
-    if target.uri:
-        from flight_server.reachable import check_listening
-        try:
-            check_listening(target.uri)
-        except Unavailable as refused:
-            return str(refused)
-    return str(error)
-
-
-@cli.command()
-@click.argument("table", required=False)
-@store_options()
-@json_option
-def leases(table: str | None, target: Target, as_json: bool) -> None:
-    """Claims currently leased: id, consumer, expiry and rows per table.
-
-    \b
-    Example:
-        expstore leases --uri grpc://127.0.0.1:8815
-        expstore leases solver --json
-    """
-    with target.open() as s:
-        current = s.leases(table)
-    if as_json:
-        echo_json(current)
-        return
-    if not current:
-        click.echo("no active leases" + (f" on {table}" if table else ""), err=True)
-        return
-    now = time.time()
-    rows = [[lease["claim_id"], lease.get("consumer"), lease.get("state"),
-             f"{lease['expires_at'] - now:.1f}s",
-             ", ".join(f"{t}:{n}" for t, n in sorted(lease.get("rows", {}).items()))]
-            for lease in current]
-    click.echo(format_table(["claim_id", "consumer", "state", "expires_in", "rows"], rows))
-
-
-# -- versions ---------------------------------------------------------------------------------
-@cli.group()
-def version() -> None:
-    """Show or bump a table's policy version (shared by its version group); its barrier.
-
-    \b
-    Example:
-        expstore version show solver
-        expstore version bump solver --expected 3 --weights-uri s3://ckpt/step-4
-        expstore version barrier solver --timeout 120
-    """
-
-
-@version.command("show")
-@click.argument("table")
-@store_options()
-@json_option
-def version_show(table: str, target: Target, as_json: bool) -> None:
-    """Print a table's current version and the weights published with it.
-
-    \b
-    Example:
-        expstore version show solver
-        expstore version show solver --json
-    """
-    with target.open() as s:
-        d = s.describe(table)
-    info = {"table": table, "version_group": d.get("version_group"), "version": d.get("version"),
-            "weights_uri": d.get("weights_uri")}
-    if as_json:
-        echo_json(info)
-    else:
-        click.echo(format_pairs(list(info.items())))
-
-
-@version.command("barrier")
-@click.argument("table")
-@click.option("--timeout", "seconds", type=float, metavar="SECONDS",
-              help="Set how long the group's barrier waits for its last member (then the "
-                   "round fails with barrier_timeout).")
-@store_options()
-@json_option
-def version_barrier(table: str, seconds: float | None, target: Target, as_json: bool) -> None:
-    """Show the barrier of a table's version group: its members, who arrived at the current
-    version and who it waits for (unified weight updating).
-
-    \b
-    Example:
-        expstore version barrier solver
-        expstore version barrier solver --timeout 120 --json
-    """
-    with target.open() as s:
-        if seconds is not None:
-            s.set_barrier_timeout(table, seconds)
-        state = s.barrier(table)
-    if as_json:
-        echo_json(state)
-    else:
-        click.echo(format_pairs([(k, ", ".join(v) if isinstance(v, list) else v)
-                                 for k, v in state.items()]))
-
-
-@version.command("bump")
-@click.argument("table")
-@click.option("--expected", type=int, metavar="N",
-              help="Only bump if the version is N now (compare-and-set).")
-@click.option("--weights-uri", metavar="URI", help="Where the new weights were published.")
-@store_options()
-@json_option
-def version_bump(table: str, expected: int | None, weights_uri: str | None, target: Target,
-                 as_json: bool) -> None:
-    """Bump the version of a table's version group; older rows may become stale.
-
-    \b
-    Example:
-        expstore version bump solver
-        expstore version bump solver --expected 3 --weights-uri s3://ckpt/step-4 --json
-    """
-    with target.open() as s:
-        new = s.bump_version(table, expected=expected, weights_uri=weights_uri)
-    if as_json:
-        echo_json({"table": table, "version": new, "weights_uri": weights_uri})
-    else:
-        click.echo(f"{table}: version {new}")
-
-
 # -- export / gc ------------------------------------------------------------------------------
 @cli.command()
 @click.argument("table", required=False)
@@ -701,6 +382,11 @@ def gc(drop_rows: tuple[str, ...], keep_versions: int, target: Target, as_json: 
         click.echo(format_pairs(list(result.items())))
 
 
+# the commands that live in modules of their own
+cli.add_command(query)
+cli.add_command(stats)
+cli.add_command(leases)
+cli.add_command(version)
 cli.add_command(cluster)
 
 
