@@ -5,10 +5,10 @@
 // It follows docs/protocol.md and nothing else: no expstore code runs on this side, only gRPC
 // (@grpc/grpc-js with Arrow Flight's service definition, flight.proto) and Arrow IPC
 // (apache-arrow). It creates a table, writes rollouts in two parts with do_put, claims a
-// micro-batch, acks it, bumps the policy version, reads the rows back with SQL, makes two bad
-// requests (a claim of an unknown table, a put of a malformed sample id), and prints a JSON
-// summary of everything it saw on stdout. The server must run without auth and TLS
-// (docs/protocol.md, "Connecting").
+// micro-batch, acks it, bumps the policy version, writes, claims and acks the next version's
+// rollout on an action session, reads the rows back with SQL, makes two bad requests (a claim
+// of an unknown table, a put of a malformed sample id), and prints a JSON summary of everything
+// it saw on stdout. The server must run without auth and TLS (docs/protocol.md, "Connecting").
 import { fileURLToPath } from 'node:url';
 import path from 'node:path';
 
@@ -172,6 +172,54 @@ async function claim(client, body) {
 }
 
 /**
+ * An action session (docs/protocol.md, "do_exchange: action sessions"): requests and answers as
+ * metadata-only FlightData on one do_exchange stream. request() sends one and resolves with the
+ * parts of its answer (what do_action would have returned), matched by id.
+ */
+function openSession(client) {
+  const call = client.DoExchange();
+  const waiting = new Map();
+  let lastId = 0;
+  call.on('data', (data) => {
+    if (data.app_metadata.length === 0) return; // the stream's (empty) schema message
+    const message = data.app_metadata;
+    const newline = message.indexOf(0x0a);
+    const head = parse(newline < 0 ? message : message.subarray(0, newline));
+    let at = newline + 1;
+    const parts = (head.sizes ?? []).map((size) => message.subarray(at, (at += size)));
+    const { resolve, reject } = waiting.get(head.id);
+    waiting.delete(head.id);
+    if (head.error) reject(new Error(`[${head.error.code}] ${head.error.message}`));
+    else resolve(parts);
+  });
+  const ended = new Promise((resolve, reject) => {
+    call.on('error', (error) => {
+      for (const { reject: fail } of waiting.values()) fail(error);
+      reject(error);
+    });
+    call.on('end', resolve);
+  });
+  // The first message names the session; its app_metadata would not be read, so requests
+  // start with the second.
+  call.write({ flight_descriptor: { type: 'CMD', cmd: json({ session: {} }) } });
+  return {
+    request(action, body, part) {
+      const id = ++lastId;
+      const head = json(part ? { id, action, body, sizes: [part.byteLength] }
+        : { id, action, body });
+      return new Promise((resolve, reject) => {
+        waiting.set(id, { resolve, reject });
+        call.write({ app_metadata: part ? Buffer.concat([head, Buffer.from('\n'), part]) : head });
+      });
+    },
+    close() {
+      call.end();
+      return ended;
+    },
+  };
+}
+
+/**
  * What a call that should fail failed with: the gRPC status code and message, and the Flight
  * error's extra_info, which gRPC carries in the trailer grpc-status-details-bin.
  */
@@ -273,6 +321,30 @@ async function main() {
   summary.ack = await actionJson(client, 'ack', { claim_id: header.claim_id });
   summary.bump = await actionJson(client, 'bump_version', { table, expected: 0 });
 
+  // The next version's rollout and micro-batch on one action session: a put, a claim, an ack.
+  const session = openSession(client);
+  const late = batchOf({
+    sample_id: [new Utf8(), ['q3_0_0']],
+    prompt: [new Utf8(), ['3+3?']],
+    response: [new Utf8(), ['6']],
+    reward: [new Float64(), [0.75]],
+    token_ids: [listOf(new Int32()), [[6, 0]]],
+    logprobs: [listOf(new Float32()), [[-0.25]]],
+  });
+  const [putAnswer] = await session.request(
+    'put', { table }, tableToIPC(new Table(late), 'stream'));
+  const [sessionHeader, sessionRows] = await session.request(
+    'claim', { table, limit: 2, consumer: 'node-trainer' });
+  const sessionClaim = parse(sessionHeader);
+  const [sessionAck] = await session.request('ack', { claim_id: sessionClaim.claim_id });
+  await session.close();
+  summary.session = {
+    put: parse(putAnswer),
+    claim: { claim_id: sessionClaim.claim_id, tables: sessionClaim.tables,
+      sample_ids: rows(tableFromIPC(sessionRows)).map((r) => r.sample_id) },
+    ack: parse(sessionAck),
+  };
+
   const read = await doGet(client, {
     sql: `SELECT sample_id, prompt, response, reward, token_ids, logprobs, policy_version, consumed
           FROM "${table}" ORDER BY sample_id`,
@@ -282,7 +354,7 @@ async function main() {
   // Bad requests: the typed errors the doc promises, as gRPC delivers them.
   summary.error = await failure(claim(client, { table: 'no_such_table', limit: 1 }));
   summary.put_error = await failure(doPut(client, table, [batchOf({
-    sample_id: [new Utf8(), ['q3_00_0']], prompt: [new Utf8(), ['a turn written as 00']],
+    sample_id: [new Utf8(), ['q4_00_0']], prompt: [new Utf8(), ['a turn written as 00']],
   })]));
   client.close();
   process.stdout.write(`${JSON.stringify(summary, null, 2)}\n`);

@@ -2,7 +2,8 @@
 
 The example (gRPC with Arrow Flight's service definition, Arrow IPC with apache-arrow) creates a
 table, writes rows in two do_put streams, claims a micro-batch, acks it, bumps the version,
-reads the rows back with SQL and makes two bad requests. This test runs it against a real server
+writes, claims and acks one more row on an action session, reads the rows back with SQL and
+makes two bad requests. This test runs it against a real server
 and checks from Python, through the store's own client, that what it wrote is stored exactly,
 that its claim is consumed and the version bumped, and that the summary it printed holds what
 the protocol promises.
@@ -28,8 +29,9 @@ from flight_fixtures import running_server
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "node"
 TABLE = "node_rollouts"
-IDS = ["q1_0_0", "q1_0_1", "q2_0_0", "q2_0_1"]
-# What the example writes (rollout_and_train.mjs), row by row.
+IDS = ["q1_0_0", "q1_0_1", "q2_0_0", "q2_0_1", "q3_0_0"]
+# What the example writes (rollout_and_train.mjs), row by row: the first four at version 0, the
+# last on the session at version 1.
 WRITTEN = {
     "q1_0_0": {"prompt": "1+1?", "response": "2", "reward": 1.0,
                "token_ids": [17, 4, 2], "logprobs": [-0.5, -1.25]},
@@ -39,7 +41,10 @@ WRITTEN = {
                "token_ids": [9, 2147483647, -3], "logprobs": []},
     "q2_0_1": {"prompt": 'say "ok" in ünïcode', "response": "OK", "reward": -1.5,
                "token_ids": [5], "logprobs": [-2.0, -0.75, -0.0625]},
+    "q3_0_0": {"prompt": "3+3?", "response": "6", "reward": 0.75,
+               "token_ids": [6, 0], "logprobs": [-0.25]},
 }
+VERSIONS = {sid: 1 if sid == "q3_0_0" else 0 for sid in IDS}
 NETWORK_ERRORS = ("ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ECONNRESET", "ETIMEDOUT",
                   "ENETUNREACH", "EHOSTUNREACH", "network request")
 
@@ -120,14 +125,15 @@ def test_node_client_follows_the_protocol(example, tmp_path):
     assert element_types == {"token_ids": "int32", "logprobs": "float"}
     assert str(stored.schema.field("reward").type) == "double"
     assert {r["sample_id"]: {k: r[k] for k in WRITTEN["q1_0_0"]} for r in rows} == WRITTEN
-    assert {r["policy_version"] for r in rows} == {0}
-    # Its claim took the first three rows in the documented order; its ack consumed them.
+    assert {r["sample_id"]: r["policy_version"] for r in rows} == VERSIONS
+    # Its first claim took the first three rows in the documented order and its ack consumed
+    # them before the bump; the session's claim took the row written after it.
     claimed = IDS[:3]
-    assert [r["sample_id"] for r in rows if r["consumed"]] == claimed
-    assert {r["consumed_version"] for r in rows if r["consumed"]} == {0}
+    assert {r["sample_id"]: r["consumed_version"] for r in rows if r["consumed"]} == {
+        **{sid: 0 for sid in claimed}, "q3_0_0": 1}
     assert not any(r["is_processing"] for r in rows)
     # The bump (max_staleness 0) made the one row left unclaimed stale.
-    assert (stats["consumed"], stats["stale"], stats["ready"], stats["processing"]) == (3, 1, 0, 0)
+    assert (stats["consumed"], stats["stale"], stats["ready"], stats["processing"]) == (4, 1, 0, 0)
     assert again["duplicate"] is True and again["acked"] == 3
     assert version == 1
 
@@ -155,9 +161,15 @@ def test_node_client_follows_the_protocol(example, tmp_path):
          "delivery_count": 1} for sid in claimed]
     assert summary["ack"] == {"claim_id": claim["claim_id"], "acked": 3}
     assert summary["bump"] == {"table": TABLE, "version": 1, "weights_uri": None}
+    session = summary["session"]
+    assert session["put"] == {"rows": 1, "version": 1}
+    assert session["claim"]["claim_id"] not in ("", claim["claim_id"])
+    assert session["claim"]["tables"] == {TABLE: 1}
+    assert session["claim"]["sample_ids"] == ["q3_0_0"]
+    assert session["ack"] == {"claim_id": session["claim"]["claim_id"], "acked": 1}
     assert summary["sql_rows"] == [
-        {"sample_id": sid, **WRITTEN[sid], "policy_version": 0, "consumed": sid in claimed}
-        for sid in IDS]
+        {"sample_id": sid, **WRITTEN[sid], "policy_version": VERSIONS[sid],
+         "consumed": sid != "q2_0_1"} for sid in IDS]
 
     # Bad requests surface as the typed errors of docs/protocol.md, "Errors".
     unknown = summary["error"]
@@ -166,5 +178,5 @@ def test_node_client_follows_the_protocol(example, tmp_path):
     bad_id = summary["put_error"]
     assert (bad_id["grpc_code_name"], bad_id["extra_info"]) == (
         "UNKNOWN", {"code": "invalid_argument"})
-    assert bad_id["message"].startswith("[invalid_argument] sample_id 'q3_00_0'")
-    assert "write it as 'q3_0_0'" in bad_id["message"]
+    assert bad_id["message"].startswith("[invalid_argument] sample_id 'q4_00_0'")
+    assert "write it as 'q4_0_0'" in bad_id["message"]
