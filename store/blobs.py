@@ -26,32 +26,30 @@ buffered fallback (filesystems that refuse ``O_DIRECT``, such as tmpfs on older 
 by ``fsync`` before any key is committed.
 
 What a chunk's bytes are (the format, its checksum, the memory it is serialised into) is
-:mod:`store.blob_chunks`; how bytes reach a segment file and are read back at the operating
+:mod:`store.blob_chunks`; how a group's staged chunks are written into a local segment (through
+the staging buffer and the reused buffers, ``O_DIRECT`` or buffered, then ``fsync``) is
+:mod:`store.blob_writes`; how bytes reach a segment file and are read back at the operating
 system's level (``O_DIRECT``, ``pwrite``, open descriptors) is :mod:`store.blob_files`; this
 module decides where each chunk goes, when it is durable, and what stays in memory for reads.
 """
 from __future__ import annotations
 
-import errno
-import mmap
 import os
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
-from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import xxhash
 
 from . import blob_rows
-from .blob_chunks import (ALIGN, HEADER_BYTES, IN_PLACE_MIN_BYTES, Chunk, ColumnChunk,
+from .blob_chunks import (HEADER_BYTES, IN_PLACE_MIN_BYTES, Chunk, ColumnChunk,
                           align_up, chunk_body, in_memory, in_place)
-from .blob_files import (DIRECT_IO, O_DIRECT, OpenSegment, Staged, probe_direct, pwrite_all,
-                         pwrite_pieces, write_staged)
+from .blob_files import DIRECT_IO, OpenSegment, Staged, probe_direct
 from .blob_keys import chunk_key, names_rows, whole_chunk
+from .blob_writes import SegmentWriter
 from .row_cut import RowCut, cut
 from .errors import StorageError
 from .settings import StoreSettings
@@ -61,16 +59,6 @@ from .types import one_array
 _DEFAULTS = StoreSettings()
 _SEGMENT_NAME = re.compile(r"^seg-(\d{8})\.arrow$")
 
-DIRECT_MIN_BYTES = 64 << 10         # smaller group commits are written buffered (same alignment;
-                                    # no faster either way there)
-STAGING_BYTES = 16 << 20            # the page-aligned buffer O_DIRECT writes go through
-# ColumnChunks up to this size are serialised, for an O_DIRECT write, into one of two buffers
-# the store keeps (their pages stay mapped from one write to the next; each grows to the largest
-# chunk it took); larger ones into new memory.
-SLOT_BYTES = 32 << 20
-# Writes of serialised ColumnChunks, so that the next one is serialised meanwhile (a few
-# threads: several stores in one process write at once).
-_WRITES = ThreadPoolExecutor(max_workers=4, thread_name_prefix="expstore-blob-write")
 INDEX_CACHE = 4096                  # format-3 chunk indexes kept parsed (a few KB each)
 OPEN_SEGMENTS = 16                  # segment files kept open for reading
 
@@ -93,8 +81,6 @@ class BlobStore:
         self._pending: list[Staged] = []
         self._start = 0                  # where the staged chunks go in the current segment
         self._end = 0                    # where the next staged chunk goes
-        self._staging: mmap.mmap | None = None
-        self._slots: list[tuple[pa.Buffer, memoryview] | None] = [None, None]  # see _slot
         self._cache: OrderedDict[tuple[int, int, int], pa.Array] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._indexes: OrderedDict[tuple[int, int, int], blob_rows.ChunkIndex | None] = \
@@ -118,8 +104,8 @@ class BlobStore:
         except OSError as e:
             raise StorageError(f"cannot use blob directory {self.root!r}: {e}") from e
         # Decided once per store; a write refused later (EINVAL) turns it off for good.
-        self._direct = self._local and probe_direct(
-            self.root, DIRECT_IO if direct_io is None else direct_io)
+        self._writes = SegmentWriter(self._local and probe_direct(
+            self.root, DIRECT_IO if direct_io is None else direct_io))
         self._segment = max(segments) if segments else 0
         self._size = self._segment_size(self._segment) if segments else 0
         if not self._local or self._size >= self.segment_bytes:
@@ -159,6 +145,11 @@ class BlobStore:
         return self._fs.get_file_info(self._path(segment)).size or 0
 
     # -- writing (writer thread) -----------------------------------------------------------------
+    @property
+    def direct_io(self) -> bool:
+        """Whether segments are written with ``O_DIRECT`` now (store/blob_writes.py)."""
+        return self._writes.direct
+
     def append(self, chunk: Chunk) -> str:
         """Stage a chunk for the next :meth:`sync`; return its key prefix (add ``:{row}``)."""
         if not self._pending:
@@ -167,11 +158,11 @@ class BlobStore:
                 self._size = 0
             # O_DIRECT writes start on a block boundary; what lies before it is padding (or,
             # after a crash, a torn tail) that no key points into.
-            self._start = self._end = align_up(self._size) if self._direct else self._size
-        if isinstance(chunk, ColumnChunk) and self._direct and len(chunk) < IN_PLACE_MIN_BYTES:
+            self._start = self._end = align_up(self._size) if self.direct_io else self._size
+        if isinstance(chunk, ColumnChunk) and self.direct_io and len(chunk) < IN_PLACE_MIN_BYTES:
             chunk = chunk.serialized()  # copied back to back, as other small chunks are
-        whole = in_place(chunk) if self._direct else None
-        aligned = self._direct and (whole is not None or isinstance(chunk, ColumnChunk))
+        whole = in_place(chunk) if self.direct_io else None
+        aligned = self.direct_io and (whole is not None or isinstance(chunk, ColumnChunk))
         if aligned:
             # written from a page-aligned buffer: on a block boundary, padded to the next one
             self._end = align_up(self._end)
@@ -198,7 +189,7 @@ class BlobStore:
         path = self._path(segment)
         try:
             if self._local:
-                self._size = self._write_local(path, pieces, start, total)
+                self._size = self._writes.write(path, pieces, start, total, self._size)
             else:
                 assert self._fs is not None
                 with self._fs.open_output_stream(path) as out:
@@ -240,115 +231,12 @@ class BlobStore:
             while self._recent_held > self.recent_bytes:
                 self._recent_held -= self._recent.popitem(last=False)[1][1]
 
-    def _write_local(self, path: str, pieces: list[Staged], start: int, total: int) -> int:
-        """Write ``pieces`` at ``start`` and fsync; return the segment's new end. A failed
-        write is cut off again (it would otherwise leave garbage that later offsets skip)."""
-        if self._direct and total >= DIRECT_MIN_BYTES:
-            try:
-                return self._write_direct(path, pieces, start, total)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._direct = False     # refused here: buffered from now on, and rewrite
-        with self._appending(path, 0) as fd:
-            pwrite_pieces(fd, pieces)
-        return start + total
-
-    @contextmanager
-    def _appending(self, path: str, flags: int) -> Iterator[int]:
-        """The segment open for writing; fsynced when the block ends, cut back to its last
-        durable end if a write or the fsync fails."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
-        try:
-            try:
-                yield fd
-                os.fsync(fd)
-            except OSError:
-                os.ftruncate(fd, self._size)
-                raise
-        finally:
-            os.close(fd)
-
-    def _write_direct(self, path: str, pieces: list[Staged], start: int, total: int) -> int:
-        """O_DIRECT: ColumnChunks serialised into two slots in turn, each written (on a write
-        thread) while the next is serialised; other large chunks straight from their own
-        page-aligned, padded memory; the others copied through a page-aligned buffer into
-        block-aligned writes, each run's last write padded with zeros; fsync (file size, device
-        cache) as in the buffered path."""
-        assert O_DIRECT is not None and start % ALIGN == 0
-        if self._staging is None:
-            self._staging = mmap.mmap(-1, align_up(max(STAGING_BYTES, ALIGN)))
-        staging = self._staging
-        cap = len(staging)
-        with self._appending(path, O_DIRECT) as fd:
-            offset, fill = start, 0            # the staging buffer holds [offset, offset + fill)
-            # A ColumnChunk is serialised into one of two slots while the one before it is
-            # written from the other (on a write thread): ``writing`` is that write.
-            writing: Future | None = None
-            slot = 0
-            try:
-                for piece in pieces:
-                    if not isinstance(piece.chunk, ColumnChunk):
-                        continue
-                    into, view = self._slot(slot, piece.chunk.padded())
-                    n = piece.chunk.write_into(into)
-                    if writing is not None:
-                        done, writing = writing, None
-                        done.result()
-                    writing = _WRITES.submit(pwrite_all, fd, view[:n], piece.offset)
-                    slot ^= 1
-                if writing is not None:
-                    done, writing = writing, None
-                    done.result()
-            finally:
-                if writing is not None:    # failed meanwhile: the write ends before the file
-                    wait_futures([writing])  # is cut back and closed
-            for piece in pieces:
-                if isinstance(piece.chunk, ColumnChunk):
-                    if fill:                   # the run before it ends where it starts
-                        write_staged(fd, staging, fill, offset)
-                        fill = 0
-                    offset = piece.offset + piece.chunk.padded()
-                    continue
-                if piece.whole is not None:
-                    if fill:                   # the run before it ends where it starts
-                        write_staged(fd, staging, fill, offset)
-                        fill = 0
-                    offset = pwrite_all(fd, piece.whole, piece.offset)
-                    continue
-                with memoryview(piece.chunk) as view:
-                    pos, n = 0, len(view)
-                    while pos < n:
-                        take = min(n - pos, cap - fill)
-                        staging[fill:fill + take] = view[pos:pos + take]
-                        fill += take
-                        pos += take
-                        if fill == cap:
-                            offset = write_staged(fd, staging, cap, offset)
-                            fill = 0
-            if fill:
-                offset = write_staged(fd, staging, fill, offset)
-        return offset
-
     def roll(self) -> None:
         """Start a new segment, so that the one written so far can be collected when no row
         references it any more (GC never deletes the segment being written)."""
         if self._local and self._size > 0 and not self._pending:
             self._segment += 1
             self._size = 0
-
-    def _slot(self, slot: int, size: int) -> tuple[pa.Buffer, memoryview]:
-        """A page-aligned buffer of at least ``size`` bytes to serialise a ColumnChunk into
-        (as a mutable Arrow buffer, and a view of it): slot 0 or 1, kept from write to write
-        and grown to the largest chunk up to :data:`SLOT_BYTES`; new memory beyond that."""
-        if size > SLOT_BYTES:
-            memory = mmap.mmap(-1, size)
-            return pa.py_buffer(memory), memoryview(memory)
-        held = self._slots[slot]
-        if held is None or held[0].size < size:
-            memory = mmap.mmap(-1, max(size, 4 << 20))
-            held = self._slots[slot] = (pa.py_buffer(memory), memoryview(memory))
-        return held
 
     def rollback(self) -> None:
         """Forget staged chunks (their group commit failed before sync)."""

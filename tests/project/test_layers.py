@@ -33,6 +33,7 @@ STORE_LAYERS = {
     "store.schema": MODEL, "store.settings": MODEL, "store.cache": MODEL, "store.ipc": MODEL,
     "store.barrier": MODEL, "store.blob_rows": MODEL, "store.row_cut": MODEL, "store.blobs": MODEL,
     "store.blob_keys": MODEL, "store.blob_chunks": MODEL, "store.blob_files": MODEL,
+    "store.blob_writes": MODEL,
     "store.prepare": MODEL, "store.deadlines": MODEL, "store.table_memo": MODEL,
     # DuckDB and storage helpers: opening a database, Arrow sources, the SQL guard and the query
     # views, the put log's format, storage faults; claim requests and the Store protocol sit

@@ -24,9 +24,10 @@ import xxhash
 import store
 import store.blob_chunks as blob_chunks
 import store.blob_files as blob_files
-import store.blobs as blobs
+import store.blob_writes as blob_writes
 from store import blob_rows
 from store.blob_chunks import ALIGN, serialize_chunk_buffer
+from store.blob_writes import SegmentWriter
 from store.blobs import BlobStore
 from store.errors import StorageError
 
@@ -39,9 +40,9 @@ def _values(n: int, width: int, tag: str) -> pa.Array:
 
 def _open(root: str, direct: bool, monkeypatch) -> BlobStore:
     b = BlobStore(root, direct_io=direct)
-    if direct and not b._direct:
+    if direct and not b.direct_io:
         pytest.skip(f"the filesystem of {root} refuses O_DIRECT")
-    assert b._direct is direct
+    assert b.direct_io is direct
     return b
 
 
@@ -155,7 +156,7 @@ def test_segments_round_trip_small_and_big_group_commits(tmp_path, monkeypatch, 
         if direct:
             # A group starts on a block boundary; big ones end on one too. Every gap is zeros.
             assert starts[0] % ALIGN == 0 and prev_end <= starts[0] < prev_end + ALIGN
-            if sum(lengths) >= blobs.DIRECT_MIN_BYTES:
+            if sum(lengths) >= blob_writes.DIRECT_MIN_BYTES:
                 assert ends[-1] % ALIGN == 0 and ends[-1] - starts[-1] - lengths[-1] < ALIGN
                 with open(path, "rb") as f:
                     for gap_start, gap_end in zip([a + n for a, n in zip(starts, lengths)],
@@ -174,7 +175,7 @@ def test_segments_round_trip_small_and_big_group_commits(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
 def test_a_batch_bigger_than_the_staging_buffer_and_many_pieces(tmp_path, monkeypatch, direct):
-    monkeypatch.setattr(blobs, "STAGING_BYTES", 64 << 10)
+    monkeypatch.setattr(blob_writes, "STAGING_BYTES", 64 << 10)
     monkeypatch.setattr(blob_files, "_IOV_MAX", 7)
     b = _open(str(tmp_path / "blobs"), direct, monkeypatch)
     arrays = [_values(5, 3001 + 37 * j, f"p{j}") for j in range(40)]     # ~600 KB, 40 pieces
@@ -187,7 +188,7 @@ def test_a_batch_bigger_than_the_staging_buffer_and_many_pieces(tmp_path, monkey
 def test_chunks_written_in_place_between_copied_ones(tmp_path, monkeypatch, direct):
     """Large chunks written from their own memory, small ones copied through a staging buffer
     smaller than one group (so it fills and flushes between them), in one group commit."""
-    monkeypatch.setattr(blobs, "STAGING_BYTES", 64 << 10)
+    monkeypatch.setattr(blob_writes, "STAGING_BYTES", 64 << 10)
     b = _open(str(tmp_path / "blobs"), direct, monkeypatch)
     arrays = [_values(40, 2900, f"big{j}") if j % 3 == 0 else _values(3, 700 + 31 * j, f"s{j}")
               for j in range(16)] + [_values(60, 900, f"s{j}") for j in range(2)]
@@ -210,7 +211,7 @@ def test_a_failed_write_is_cut_off_and_nothing_staged_is_kept(tmp_path, monkeypa
     def no_space(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(blobs.os, "fsync", no_space)
+    monkeypatch.setattr(blob_writes.os, "fsync", no_space)
     b.append(serialize_chunk_buffer(_values(100, 7000, "lost")))
     with pytest.raises(StorageError, match="cannot write blob segment"):
         b.sync()
@@ -257,7 +258,7 @@ def test_column_chunks_write_the_bytes_serialize_chunk_buffer_makes(tmp_path, mo
     while the next is serialised; into memory of their own beyond the slots' size, or when
     written buffered) among chunks given as bytes and buffers, in one group commit: on disk
     exactly what serialize_chunk_buffer makes, read back from memory and after reopening."""
-    monkeypatch.setattr(blobs, "SLOT_BYTES", 256 << 10)
+    monkeypatch.setattr(blob_writes, "SLOT_BYTES", 256 << 10)
     b = _open(str(tmp_path / "blobs"), direct, monkeypatch)
     arrays = [_received(a)[0] for a in (_values(60, 2900, "big0"), _values(60, 2900, "big1"),
                                         _values(3, 500, "small"),
@@ -304,7 +305,7 @@ def test_a_failed_column_chunk_write_is_cut_off(tmp_path, monkeypatch):
             raise OSError(errno.EIO, "Input/output error")
         return real(fd, view, offset)
 
-    monkeypatch.setattr(blobs, "pwrite_all", second_fails)
+    monkeypatch.setattr(blob_writes, "pwrite_all", second_fails)
     for values in _received(*[_values(100, 7000, f"lost{j}") for j in range(4)]):
         b.append(blob_chunks.ColumnChunk(values))
     with pytest.raises(StorageError, match="cannot write blob segment"):
@@ -357,17 +358,17 @@ def test_o_direct_refused_at_write_falls_back_and_remembers(tmp_path, monkeypatc
     b = _open(str(tmp_path / "blobs"), True, monkeypatch)
     calls = []
 
-    def refused(self, path, pieces, start, total):
+    def refused(self, path, pieces, start, total, durable_end):
         calls.append(start)
         # Part of the batch reached the file before the refusal: the rewrite must cover it.
         with open(path, "ab") as f:
             f.write(b"\xff" * 5000)
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(BlobStore, "_write_direct", refused)
+    monkeypatch.setattr(SegmentWriter, "_write_direct", refused)
     arrays = [_values(100, 7000, "a"), _values(3, 100, "a-small"), _values(100, 7000, "a2")]
     keys = _put(b, arrays, buffer=True)       # placed for in-place writes, rewritten buffered
-    assert calls and not b._direct
+    assert calls and not b.direct_io
     more = [_values(100, 7000, "b")]
     keys2 = _put(b, more)
     assert len(calls) == 1                          # not tried again
@@ -382,7 +383,7 @@ def test_filesystem_refusing_o_direct_gets_the_buffered_path(monkeypatch, tmp_pa
     root = os.path.join(shm, f"expstore-test-{os.getpid()}-{random.getrandbits(32)}")
     try:
         b = BlobStore(root, direct_io=True)
-        if b._direct:
+        if b.direct_io:
             pytest.skip("/dev/shm takes O_DIRECT here")
         arrays = [_values(100, 7000, "t")]
         keys = _put(b, arrays)
@@ -410,7 +411,7 @@ def test_o_direct_refused_at_open_is_detected_once(tmp_path, monkeypatch):
         pytest.skip("no O_DIRECT on this platform")
     monkeypatch.setattr(blob_files.os, "open", no_direct)
     b = BlobStore(str(tmp_path / "blobs"), direct_io=True)
-    assert not b._direct and len(tried) == 1
+    assert not b.direct_io and len(tried) == 1
     arrays = [_values(100, 7000, "r")]
     keys = _put(b, arrays) + _put(b, arrays)
     assert len(tried) == 1 and int(keys[1].split(":")[1]) == int(keys[0].split(":")[2])

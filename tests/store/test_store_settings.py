@@ -67,7 +67,7 @@ def test_an_option_text_that_names_no_setting_or_no_value_is_refused(pair, named
 def test_blob_settings_reach_the_blob_store(open_store, tmp_path):
     s = open_store(blob_segment_bytes=4096, blob_direct_io=False, blob_recent_bytes=0)
     assert s.blobs.segment_bytes == 4096 and s.blobs.recent_bytes == 0
-    assert not s.blobs._direct  # noqa: SLF001 - the decision the setting makes
+    assert not s.blobs.direct_io  # the decision the setting makes
     s.create_table("t", {"blob": "binary"}, storage={"blob": "ref"})
     for i in range(3):
         s.put("t", {"sample_id": [f"q{i}_0_0"], "blob": [bytes([i]) * 8192]})

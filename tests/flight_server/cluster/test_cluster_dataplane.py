@@ -113,13 +113,13 @@ def test_a_data_node_serialises_a_puts_columns_as_it_writes_them(cluster):
     it is written into memory the store reuses from one write to the next (with O_DIRECT), not
     serialised into new memory of its own first; the values read back are the values put."""
     node = cluster.nodes[1]
-    if not node.blobs._direct:
+    if not node.blobs.direct_io:
         pytest.skip("the blob directory's filesystem refuses O_DIRECT (no reused buffers)")
     with client(cluster, 1) as producer:
         make_table(producer)
-        assert node.blobs._slots == [None, None]
+        assert node.blobs._writes._slots == [None, None]
         producer.put("t", rows("a", 16))              # a 1 MB column: written from a slot
-        assert node.blobs._slots[0] is not None
+        assert node.blobs._writes._slots[0] is not None
         claimed = producer.claim("t", 16).tables["t"]
         assert sorted(claimed.column("response").to_pylist()) == \
             sorted(rows("a", 16)["response"])
