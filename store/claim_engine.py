@@ -182,6 +182,24 @@ class ClaimEngine:
         finally:
             self._readers.release_query_slot()
 
+    def rows_matching(self, table: str, where: str, row_ids: list[int]) -> set[int]:
+        """Which of ``row_ids`` (rows of ``table`` in any state) satisfy ``where``, checked and
+        run as a claim's predicate is (one query slot, the query time limit; by-reference
+        values seen): ``requeue`` picks the dead rows it brings back so. With no rows the
+        predicate is still bound: one naming an unknown column fails.
+
+        Raises:
+            QueryRefused, QueryTimeout: naming the predicate.
+        """
+        live = self._index.live_table(table)
+        limit = self._settings.query_timeout
+        deadline = self._readers.take_query_slot(limit, f"predicate {where[:200]!r}")
+        try:
+            return self._matching(live, predicate_query(live.tdef.name, where), where, row_ids,
+                                  limit, deadline)
+        finally:
+            self._readers.release_query_slot()
+
     def _matching(self, live: LiveTable, sql: str, where: str, row_ids: list[int],
                   limit: float, deadline: float) -> set[int]:
         """Which candidate rows satisfy a claim predicate (``sql``: its checked query).

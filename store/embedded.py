@@ -41,10 +41,11 @@ from .putlog import PutLog, log_path, replay
 from .readers import Readers
 from .recovery import load_state
 from .reports import lease_list, table_stats
+from .requeue import dead_row_ids, requeue_op
 from .retention import check_drop_rows, check_keep_versions
 from .schema import TableDef
 from .settings import StoreSettings
-from .sqlguard import check_query_options, check_select
+from .sqlguard import check_query_options, check_select, predicate_query
 from .sql_query import run_select
 from .table_ddl import create_table_op, drop_table_op
 from .versions import barrier_timeout_op, check_bump, check_weights_uri, group_of, \
@@ -592,6 +593,37 @@ class EmbeddedStore:
         states = check_drop_rows(drop_rows)
         keep = check_keep_versions(keep_versions)
         return self._writer.call(maintenance.gc_op(self._index, self.blobs, states, keep))
+
+    def requeue(self, table: str, *, where: str | None = None,
+                values_lost: str | None = None) -> dict[str, Any]:
+        """Bring the table's dead rows back (a redrive, store/requeue.py): live again, their
+        delivery count 0, ready where complete (else pending); durable on return. ``where``
+        picks some of them, a SQL predicate over the table's columns as a claim's.
+
+        Rows below the staleness bound stay dead (they would be stale at once), and so do rows
+        matching ``values_lost``: SQL of the server's own (a cluster's coordinator: rows whose
+        values only lost data nodes held), never a caller's. Answers ``{"table", "requeued",
+        "skipped_stale", "skipped_lost"}``.
+
+        Raises:
+            NotFound: no such table.
+            QueryRefused: ``where`` is not one boolean SQL expression over the table.
+        """
+        live = self._index.live_table(table)
+        if where is not None:
+            predicate_query(table, where)      # a malformed predicate: refused before any work
+        # Rows dead-lettered by an expired lease are counted dead (stats) before their flags
+        # are written: written first, so that they are found below.
+        self._writer.call(FlushOp())
+        candidates = dead_row_ids(self._readers.cursor(), table)
+        if where is not None:
+            matched = self._claims.rows_matching(table, where, candidates)
+            candidates = [r for r in candidates if r in matched]
+        lost: set[int] = set()
+        if values_lost is not None and candidates:
+            lost = self._claims.rows_matching(table, values_lost, candidates)
+            candidates = [r for r in candidates if r not in lost]
+        return self._writer.call(requeue_op(self._index, live, candidates, len(lost)))
 
     def checkpoint(self) -> None:
         """Fold the WAL into the database file now."""

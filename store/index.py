@@ -78,7 +78,7 @@ class StoreIndex:
         self.counters: dict[str, int] = {
             "rows_put": 0, "puts": 0, "claims": 0, "rows_claimed": 0, "acks": 0,
             "rows_acked": 0, "nacks": 0, "leases_expired": 0, "redeliveries": 0,
-            "dead_letters": 0, "stale_rows": 0, "version_bumps": 0}
+            "dead_letters": 0, "stale_rows": 0, "version_bumps": 0, "rows_requeued": 0}
         self._expiry: list[tuple[float, str]] = []
         # Per table and row id: a LeaseUpdate, or for a row a claim leased, (its Lease, the row's
         # delivery count), built into its LeaseUpdate only when taken (see _updates): a claim

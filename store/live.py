@@ -360,6 +360,18 @@ class LiveTable:
             row.lease = None
             pop((row.sample_id, row.version), None)
 
+    def revive(self, row: Row) -> None:
+        """A dead row made live again (``requeue``): no longer a terminal row, ready if its
+        required statuses are true, else pending."""
+        terminal = self.terminal
+        if terminal is not None:
+            by_sid = terminal.get(row.version)
+            if by_sid is not None and by_sid.pop(row.sample_id, None) is not None:
+                self.terminal_count -= 1
+        self.rows[row.key] = row
+        if self.is_complete(row):
+            self.make_ready(row)
+
     def evict(self, keys: list[Key], table: Any) -> None:
         """Drop the cached values that ``keys``' ready rows hold in ``table`` (claims read
         them from DuckDB then). Leased rows keep theirs: their claim is about to read them."""

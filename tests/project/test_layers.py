@@ -47,7 +47,7 @@ STORE_LAYERS = {
     "store.writer": WRITER_READS, "store.ops": WRITER_READS, "store.rows_sql": WRITER_READS,
     "store.settle": WRITER_READS, "store.checkpoints": WRITER_READS, "store.logged": WRITER_READS,
     "store.readers": WRITER_READS, "store.claim_engine": WRITER_READS,
-    "store.barriers": WRITER_READS,
+    "store.barriers": WRITER_READS, "store.requeue": WRITER_READS,
     # what the facade hands on: table DDL, versions, SQL reads, reports, maintenance
     "store.table_ddl": WRITER_READS, "store.versions": WRITER_READS,
     "store.sql_query": WRITER_READS, "store.reports": WRITER_READS,

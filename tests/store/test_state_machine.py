@@ -1,4 +1,5 @@
-"""A hypothesis state machine over puts, claims, acks, nacks, lease expiry and version bumps.
+"""A hypothesis state machine over puts, claims, acks, nacks, dead-lettering, lease expiry,
+version bumps and re-queueing dead rows.
 
 The machine keeps a model of every sample's state and checks the embedded store against it after
 every step: claims hand out exactly the first ready rows in order, no row is held by two
@@ -136,9 +137,10 @@ class StoreMachine(RuleBasedStateMachine):
         clear_bits = PROMPT if what == "retract" else 0
         for sid in ids:
             row = self.rows.setdefault((sid, version), ModelRow(sid, version))
+            # (a finished row's values and statuses are written too: a requeue reads them)
+            row.mask = (row.mask & ~clear_bits) | set_bits
             if row.state in ("consumed", "stale", "dead"):
                 continue                           # a re-send does not resurrect a row
-            row.mask = (row.mask & ~clear_bits) | set_bits
             if row.state == "processing":
                 continue
             row.state = "ready" if row.mask & COMPLETE == COMPLETE else "pending"
@@ -211,6 +213,19 @@ class StoreMachine(RuleBasedStateMachine):
         for key in c.keys:
             self._return(self.rows[key])
 
+    @precondition(lambda self: any(r.state == "ready" for r in self.rows.values()))
+    @rule(n=st.integers(1, 6))
+    def dead_letter(self, n):
+        """Claim ready rows and end the claim with them dead (what a cluster's coordinator does
+        to rows whose values were lost): dead rows for ``requeue`` besides max_deliveries."""
+        claim_id = self.claim(n, 10.0)
+        c = self.model_claims[claim_id]
+        assert self.s.dead_letter(claim_id)["dead"] == len(c.keys)
+        c.outcome = "nacked"
+        for key in c.keys:
+            row = self.rows[key]
+            row.state, row.claim = "dead", None
+
     @rule(claim_id=claims, lease=st.sampled_from([None, 1.0, 5.0, 20.0]))
     def renew(self, claim_id, lease):
         if not claim_id:
@@ -243,6 +258,22 @@ class StoreMachine(RuleBasedStateMachine):
         for row in self.rows.values():
             if row.state in ("pending", "ready") and row.version < self.bound:
                 row.state = "stale"
+
+    @precondition(lambda self: any(r.state == "dead" for r in self.rows.values()))
+    @rule(where=st.sampled_from([None, "input_id = 'a'", "turn = 1"]))
+    def requeue(self, where):
+        def picked(row: ModelRow) -> bool:
+            _, input_id, turn, _ = row.order
+            return where is None or (input_id == "a" if "input_id" in where else turn == 1)
+
+        dead = [r for r in self.rows.values() if r.state == "dead" and picked(r)]
+        answer = self.s.requeue("t", where=where)
+        back = [r for r in dead if r.version >= self.bound]
+        assert answer == {"table": "t", "requeued": len(back),
+                          "skipped_stale": len(dead) - len(back), "skipped_lost": 0}
+        for row in back:                           # live again, every delivery to come
+            row.deliveries = 0
+            row.state = "ready" if row.mask & COMPLETE == COMPLETE else "pending"
 
     # -- invariants ----------------------------------------------------------------------------
     @invariant()
