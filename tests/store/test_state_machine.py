@@ -6,8 +6,7 @@ every step: claims hand out exactly the first ready rows in order, no row is hel
 claimants, no consumed or stale row is delivered, no row is lost, and the stats add up.
 
 Lease expiry is made deterministic with a fake wall clock for the store (``store.index.time``,
-where leases are taken and expire, and ``store.embedded.time``):
-leases expire when a rule advances the clock and forces ``expire_leases()``, never behind the
+where leases are taken and expire): leases expire when a rule advances the clock and forces ``expire_leases()``, never behind the
 model's back.
 """
 from __future__ import annotations
@@ -24,7 +23,6 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 
 import reliability_helpers as rh
 import store
-import store.embedded
 import store.index
 from store.cache import DEFAULT_CACHE_LIMIT
 from store.errors import LeaseExpired, StaleVersion
@@ -83,8 +81,8 @@ class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self._real_time = store.embedded.time
-        store.embedded.time = store.index.time = self.clock
+        self._real_time = store.index.time
+        store.index.time = self.clock
         self.dir = tempfile.mkdtemp(prefix="expstore-sm-")
         self.s = store.connect(f"{self.dir}/x.duckdb", cache_limit=self.cache_limit)
         self.s.create_table("t", {"prompt": "string", "reward": "float64"}, max_staleness=K,
@@ -97,7 +95,7 @@ class StoreMachine(RuleBasedStateMachine):
         try:
             self.s.close()
         finally:
-            store.embedded.time = store.index.time = self._real_time
+            store.index.time = self._real_time
             shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- model helpers ---------------------------------------------------------------------
