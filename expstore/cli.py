@@ -8,7 +8,8 @@ table name or type ends with a one-line message and exit status 1, never a trace
 options every command shares are in expstore/options.py. This module holds the group and the
 smaller commands; groups of larger ones are in modules of their own, registered here:
 ``query`` in expstore/query_command.py, ``stats`` and ``leases`` in expstore/stats_commands.py,
-``version`` in expstore/version_commands.py, ``cluster`` in expstore/cluster_commands.py.
+``version`` in expstore/version_commands.py, ``cluster`` in expstore/cluster_commands.py,
+``requeue`` in expstore/requeue_command.py.
 
 Example::
 
@@ -38,6 +39,7 @@ from .options import (DEFAULT_PORT, ExpstoreGroup, Target, db_option, json_optio
                       store_options)
 from .output import echo_json, format_pairs, format_table
 from .query_command import query
+from .requeue_command import requeue
 from .serve import SHUTDOWN_GRACE_SECONDS
 from .stats_commands import leases, stats
 from .version_commands import version
@@ -387,6 +389,7 @@ cli.add_command(query)
 cli.add_command(stats)
 cli.add_command(leases)
 cli.add_command(version)
+cli.add_command(requeue)
 cli.add_command(cluster)
 
 

@@ -172,6 +172,10 @@ def _gc(s: EmbeddedStore, b: dict[str, Any]) -> Any:
     return s.gc(drop_rows=b.get("drop_rows", ()), keep_versions=b.get("keep_versions", 0))
 
 
+def _requeue(s: EmbeddedStore, b: dict[str, Any]) -> Any:
+    return s.requeue(b["table"], where=b.get("where"))
+
+
 def _checkpoint(s: EmbeddedStore, b: dict[str, Any]) -> Any:
     s.checkpoint()
     return {"checkpoint": True}
@@ -219,6 +223,11 @@ ACTIONS: dict[str, ActionSpec] = {a.name: a for a in [
                "consumed, stale, dead; those of the newest keep_versions versions stay), then "
                "blob segments no row references. Body: {drop_rows?: [state], keep_versions?: "
                "int}", _gc),
+    ActionSpec("requeue", "admin", "Bring a table's dead rows back (a redrive): ready again "
+               "(pending where incomplete), delivery count 0; rows below the staleness bound, "
+               "and a coordinator's rows whose values were lost, stay dead and are counted. "
+               "Body: {table, where?: SQL predicate}. Answer: {table, requeued, skipped_stale, "
+               "skipped_lost}", _requeue),
     ActionSpec("checkpoint", "admin", "Fold the WAL into the database file. Body: {}",
                _checkpoint),
 ]}

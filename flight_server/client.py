@@ -498,6 +498,14 @@ class RemoteStore:
             body["keep_versions"] = keep_versions
         return self._json("gc", body)
 
+    def requeue(self, table: str, *, where: str | None = None) -> dict[str, Any]:
+        """Bring the table's dead rows back (see :meth:`store.embedded.EmbeddedStore.requeue`);
+        the admin role on a server with auth."""
+        body: dict[str, Any] = {"table": table}
+        if where is not None:
+            body["where"] = where
+        return self._json("requeue", body)
+
     def checkpoint(self) -> None:
         self._json("checkpoint")
 

@@ -6,7 +6,7 @@ the Flight server adds latency histograms per verb.
 Exported (prefix ``expstore_``): ``rows_put_total``, ``puts_total``, ``claims_total``,
 ``rows_claimed_total``, ``acks_total``, ``rows_acked_total``, ``nacks_total``,
 ``leases_expired_total``, ``redeliveries_total``, ``dead_letters_total``, ``stale_rows_total``,
-``version_bumps_total``; per table ``version``, ``ready_rows`` (queue depth), ``processing_rows``,
+``version_bumps_total``, ``rows_requeued_total``; per table ``version``, ``ready_rows`` (queue depth), ``processing_rows``,
 ``pending_rows``; ``writer_queue_depth``; ``writer_up``; ``disk_bytes{file=database|wal|putlog|blobs}``; ``health{status=…, error=…}`` (1, with
 ``health``'s status ok / failed / closed and the cause of a failure, e.g. a full disk);
 histogram ``request_seconds{verb=…}``.

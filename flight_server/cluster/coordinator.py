@@ -12,7 +12,9 @@ Data nodes register (``register_node``) and repeat it as a heartbeat. A node sil
 ``node_timeout`` seconds, or reported by a client that could not reach it (``report_lost``), is
 probed; if it does not answer it is *lost*: live rows with a value that no other live node holds
 are dead-lettered, with the reason kept in ``<db>.deadletters.jsonl`` (``dead_letters``). A lost
-node that registers again serves again (its disk came back); rows already dead-lettered stay so.
+node that registers again serves again (its disk came back); rows already dead-lettered stay so
+until ``requeue`` brings them back, which leaves dead (``skipped_lost``) the rows whose values
+only nodes still lost held.
 
 After a loss, values that had two holders have one: the coordinator has the surviving holder copy
 each such chunk to another live node (``copy_chunks``) and points the rows at the two holders
@@ -43,6 +45,7 @@ from store.errors import ExpstoreError, InvalidArgument, NotFound
 from store.types import is_complex, parse_type, type_name
 
 from .. import wire
+from ..actions import ACTIONS
 from ..errors import flight_errors, from_flight, to_flight
 from ..server import ExpstoreFlightServer
 from .locations import (Holder, check_node_id, chunk_location, degraded_predicate,
@@ -181,6 +184,9 @@ class CoordinatorServer(ExpstoreFlightServer):
                 answer = getattr(self, f"_action_{name}")(wire.check_body(name, body))
             yield from wire.results_bytes(answer)
             return
+        if name == "requeue":
+            yield from self._requeue(context, action)
+            return
         if name == "create_table":
             with flight_errors():
                 action = self._create_table(action)
@@ -202,6 +208,25 @@ class CoordinatorServer(ExpstoreFlightServer):
                                      "lost": len(self.registry.lost)}
             parts = [wire.encode(answer)]
         yield from parts
+
+    def _requeue(self, context: flight.ServerCallContext,
+                 action: flight.Action) -> Iterator[bytes]:
+        """``requeue`` as on one server, but rows whose values only lost data nodes held stay
+        dead (``skipped_lost``): requeued, they could never be delivered whole. A node that
+        registered again holds its values again: its rows come back."""
+        self._principal(context, ACTIONS["requeue"].role, "requeue")
+        with flight_errors(), self.metrics.timed("requeue"):
+            body = wire.check_body("requeue", wire.parse_body(
+                action.body.to_pybytes() if action.body else b"", "requeue"))
+            table = body["table"]
+            with self.registry.lock:
+                lost = sorted(self.registry.lost)
+                columns = list(self.registry.tables.get(table, {})) if isinstance(table, str) \
+                    else []
+            values_lost = " OR ".join(lost_predicate(c, lost) for c in columns) \
+                if lost and columns else None
+            answer = self.store.requeue(table, where=body.get("where"), values_lost=values_lost)
+        yield from wire.results_bytes(answer)
 
     def _claim_stream(self, principal: Any, doc: dict[str, Any]) -> flight.FlightDataStream:
         # A claim's answer must name the data nodes that hold its by-reference values; a stream

@@ -50,6 +50,7 @@ ACTION_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "leases": ((), ("table",)),
     "health": ((), ()),
     "gc": ((), ("drop_rows", "keep_versions")),
+    "requeue": (("table",), ("where",)),
     "checkpoint": ((), ()),
     "put": (("table",), ()),  # a session's put: the rows follow as a part
     # a coordinator's (docs/protocol.md, "Coordinator actions")

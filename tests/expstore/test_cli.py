@@ -542,6 +542,22 @@ def test_gc_drop_deletes_consumed_rows_out_of_reach_on_both_backends(seeded):
                    )["rows_dropped"] == 0
 
 
+def test_requeue_brings_dead_rows_back_on_both_backends(seeded):
+    with seeded.open() as s:
+        for _ in range(5):                # max_deliveries 5: the fifth nack dead-letters them
+            s.nack(s.claim("solver", 3).claim_id)
+    assert as_json(seeded.run("stats", "solver", "--json"))["solver"]["dead"] == 3
+    out = as_json(seeded.run("requeue", "solver", "--where", "reward < 1", "--json"))
+    assert out == {"table": "solver", "requeued": 2, "skipped_stale": 0, "skipped_lost": 0}
+    stats = as_json(seeded.run("stats", "solver", "--json"))["solver"]
+    assert (stats["dead"], stats["ready"]) == (1, ROWS - 1)
+    ok(seeded.run("version", "bump", "solver"))     # the last dead row is below the bound now
+    assert ok(seeded.run("requeue", "solver")).stdout.strip() == \
+        "requeued 0 dead rows of solver; left dead: 1 below the staleness bound"
+    fails(seeded.run("requeue", "solver", "--where", "no_such_column > 1"), 1, "no_such_column")
+    fails(seeded.run("requeue", "missing"), 1, "'missing'")
+
+
 def test_migrate(tmp_path):
     import migrations
 

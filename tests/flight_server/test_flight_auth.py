@@ -27,7 +27,7 @@ ROLES = ("reader", "writer", "admin")
 CALLERS = ("none", "wrong", "reader", "writer", "admin")
 
 #: The least role each operation needs (design: reader = SQL and listing; writer = puts, claims,
-#: acks, subscriptions; admin = DDL, version bumps, GC).
+#: acks, subscriptions; admin = DDL, version bumps, GC, re-queueing dead rows).
 NEEDS = {
     "list_flights": "reader", "get_flight_info": "reader", "get_schema": "reader",
     "do_get": "reader", "do_put": "writer", "do_exchange": "writer",
@@ -37,7 +37,7 @@ NEEDS = {
     "renew": "writer",
     "create_table": "admin", "drop_table": "admin", "bump_version": "admin", "gc": "admin",
     "checkpoint": "admin", "arrive": "admin", "set_barrier_timeout": "admin",
-    "barrier": "reader", "do_get claim": "writer",
+    "requeue": "admin", "barrier": "reader", "do_get claim": "writer",
 }
 _names = itertools.count()
 
@@ -111,6 +111,7 @@ OPERATIONS: dict[str, Callable[[Ctx], Any]] = {
     "health": lambda c: c.act("health", {}),
     "gc": lambda c: c.act("gc", {}),
     "checkpoint": lambda c: c.act("checkpoint", {}),
+    "requeue": lambda c: c.act("requeue", {"table": TABLE}),
     "arrive": _arrive,
     "set_barrier_timeout": lambda c: c.act("set_barrier_timeout", {"table": TABLE,
                                                                    "seconds": 600}),

@@ -131,3 +131,19 @@ def test_requeued_rows_are_ready_after_a_kill_9(open_store, db_path):
     s = open_store()
     assert _states(s) == (2, 2, 0)
     assert s.claim("t", 8).data.column("sample_id").to_pylist() == ["q0_0_0", "q1_0_0"]
+
+
+def test_every_store_requeues_dead_rows_and_refuses_bad_requests_alike(any_store):
+    """The embedded store and the remote one (the ``requeue`` action) answer the same."""
+    s = any_store
+    ids = _dead_table(s, n=3)
+    assert s.requeue("t", where="reward > 0") == {"table": "t", "requeued": 2,
+                                                  "skipped_stale": 0, "skipped_lost": 0}
+    claim = s.claim("t", 8)
+    assert claim.data.column("sample_id").to_pylist() == ids[1:]
+    assert claim.data.column("delivery_count").to_pylist() == [1, 1]
+    with pytest.raises(QueryRefused, match="no_such_column"):
+        s.requeue("t", where="no_such_column > 1")
+    with pytest.raises(NotFound, match="'nope'"):
+        s.requeue("nope")
+    assert s.stats("t")["t"]["dead"] == 1

@@ -304,6 +304,33 @@ def test_without_replicas_rows_of_a_lost_node_are_dead_lettered_with_the_reason(
         assert trainer.claim("t", 8).claim_id == ""   # nothing half, nothing hangs
 
 
+def test_requeue_on_a_coordinator_leaves_dead_the_rows_whose_values_are_lost(cluster):
+    with client(cluster, 1) as lost_side, client(cluster, 2) as other, \
+            client(cluster, 0) as trainer:
+        make_table(lost_side, max_deliveries=1)
+        lost_side.put("t", rows("lost", 3))
+        other.put("t", rows("kept", 2))
+        trainer.nack(trainer.claim("t", 8).claim_id)     # one delivery each: all 5 dead
+        cluster.nodes[1].close()
+        assert trainer.call_action("report_lost", {"node_id": "dn-1"})["alive"] is False
+
+        assert trainer.requeue("t") == {"table": "t", "requeued": 2, "skipped_stale": 0,
+                                        "skipped_lost": 3}
+        claim = trainer.claim("t", 8)
+        assert sorted(claim.tables["t"].column("response").to_pylist()) == \
+            sorted(rows("kept", 2)["response"])
+        trainer.ack(claim.claim_id)
+
+        cluster.nodes[1] = cluster.start_node(1)          # its disk came back
+        wait_until(lambda: "dn-1" not in cluster.coordinator.registry.lost, timeout=10,
+                   message="dn-1 registered again")
+        assert trainer.requeue("t")["requeued"] == 3
+        trainer.cluster(refresh=True)   # (its directory, cached for a few seconds, says lost)
+        claim = trainer.claim("t", 8)
+        assert sorted(claim.tables["t"].column("response").to_pylist()) == \
+            sorted(rows("lost", 3)["response"])
+
+
 def test_the_coordinator_finds_a_silent_node_lost_without_any_client(cluster):
     with client(cluster, 1) as producer:
         make_table(producer)
