@@ -15,7 +15,8 @@ If a group fails, each operation is retried alone so that one bad operation fail
 If DuckDB itself cannot be written (a full disk; a failed checkpoint invalidates the database),
 the writer refuses every change until it recovers (see store/storage_fault.py).
 
-This module is the loop: taking groups, the transaction, storage faults. What a group runs
+This module is the loop: taking groups, the transaction, storage faults. What goes into one group
+(reads and bumps apart, small puts prepared and merged) is store/op_groups.py. What a group runs
 lives beside it: the operations and a transaction's effects (store/ops.py), the row SQL of puts
 (store/rows_sql.py), settles and bumps (store/settle.py), the changes waiting in the put log
 (store/logged.py), checkpoints (store/checkpoints.py). The writer reads and changes the in-memory
@@ -33,16 +34,16 @@ from typing import Any, Callable
 
 import duckdb
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from .blobs import BlobStore
 from .checkpoints import Checkpoints
 from .errors import ExpstoreError, StorageError, StorageUnavailable, StoreClosed
 from .index import StoreIndex
 from .live import LiveTable, Row
+from .op_groups import bumps_apart, merged_apart, prepare_small, reads_apart
 from .opening import invalidated, run_checkpoint
 from .ops import BumpOp, CallOp, FlushOp, MergedPutOp, NotLoggable, Op, PutOp, ReadOp, SettleOp, \
-    SmallPutOp, Txn, fail, resolve
+    Txn, fail, resolve
 from .logged import LoggedChanges
 from .putlog import PutLog, apply_records
 from .rows_sql import RowWriter
@@ -259,11 +260,11 @@ class Writer:
             if leases:
                 self._flush_due = None
             if ops or (leases and self._index.has_pending_row_updates()):
-                for part in _reads_apart(ops):
+                for part in reads_apart(ops):
                     if isinstance(part, ReadOp):
                         self._read(part)
                         continue
-                    for group in _bumps_apart(part):
+                    for group in bumps_apart(part):
                         self._run_group(group, leases)
             if self._materialize_due() or (stop and self._logged):
                 self._materialize()
@@ -396,7 +397,7 @@ class Writer:
     def _run_group(self, ops: list[Op], leases: bool = True) -> None:
         """Commit a group of operations; with ``leases``, the pending lease bookkeeping too."""
         given = len(ops)
-        ops = self._prepare_small(ops)
+        ops = prepare_small(self._index, ops, self._settings.merged_put_rows)
         if given and not ops and not (leases and self._index.has_pending_row_updates()):
             return  # every put of the group was refused: nothing to commit
         logged = self._log_puts(ops, leases)
@@ -421,7 +422,7 @@ class Writer:
             if not ops:
                 log.error("writing lease bookkeeping failed: %s", group_error)
                 return
-            for op in self._apart(ops):
+            for op in merged_apart(self._index, ops):
                 try:
                     (result,), txn = self._transaction([op], leases)
                 except Exception as e:  # noqa: BLE001
@@ -433,64 +434,6 @@ class Writer:
         for op, result in zip(ops, results):
             resolve(op, result)
         self._fill_payloads(txn)
-
-    # -- small puts ------------------------------------------------------------------------------
-    def _prepare_small(self, ops: list[Op]) -> list[Op]:
-        """Replace small puts by prepared ones, merging runs of them to the same table and schema.
-
-        A put that fails preparation fails alone, and leaves the group.
-        """
-        out: list[Op] = []
-        run: list[SmallPutOp] = []
-        rows = 0
-        for op in ops:
-            if isinstance(op, SmallPutOp):
-                if run and (op.table != run[0].table or rows + op.data.num_rows > self._settings.merged_put_rows
-                            or not op.data.schema.equals(run[0].data.schema)):
-                    out.extend(self._prepare_run(run))
-                    run, rows = [], 0
-                run.append(op)
-                rows += op.data.num_rows
-                continue
-            if run:
-                out.extend(self._prepare_run(run))
-                run, rows = [], 0
-            out.append(op)
-        if run:
-            out.extend(self._prepare_run(run))
-        return out
-
-    def _prepare_run(self, run: list[SmallPutOp]) -> list[Op]:
-        index = self._index
-        if len(run) > 1:
-            try:
-                merged = pa.concat_tables([op.data for op in run])
-                # Two puts of one sample stay apart: prepare would merge them into one row.
-                if pc.count_distinct(merged.column("sample_id")).as_py() == merged.num_rows:
-                    return [MergedPutOp(index.prepare(run[0].table, merged), run)]
-            except Exception:  # noqa: BLE001 - one of them is bad: prepare each to find it
-                pass
-        out: list[Op] = []
-        for op in run:
-            try:
-                put = PutOp(index.prepare(op.table, op.data))
-            except Exception as e:  # noqa: BLE001 - handed to this put's caller
-                fail(op, e)
-                continue
-            put.future = op.future
-            out.append(put)
-        return out
-
-    def _apart(self, ops: list[Op]) -> list[Op]:
-        """The ops of a failed group, to be retried one by one (merged puts split again)."""
-        out: list[Op] = []
-        for op in ops:
-            if isinstance(op, MergedPutOp):
-                for member in op.members:
-                    out.extend(self._prepare_run([member]))
-            else:
-                out.append(op)
-        return out
 
     def _fill_payloads(self, txn: Txn) -> None:
         if not txn.need_payload or self._index.cache.full:
@@ -613,7 +556,7 @@ class Writer:
         """Make a group durable in the put log instead of DuckDB; its results, or None when
         the group must go through DuckDB.
 
-        A group qualifies when it is only puts, acks and bumps (see _bumps_apart),
+        A group qualifies when it is only puts, acks and bumps (see op_groups.bumps_apart),
         its puts of at most settings.log_put_rows rows, every row new (a key DuckDB may hold goes through
         DuckDB, which decides insert or update) and every ready row claimable from the values
         written (claims must not read DuckDB for it). The group runs as in a transaction, but
@@ -664,51 +607,8 @@ class Writer:
             return None
         return self._blob_io.submit(blobs.sync)
 
+
 def _cause(error: BaseException) -> str:
     """An error's text for the one line that names a storage fault."""
     text = str(error)
     return text if len(text) <= 400 else f"{text[:400]}… ({len(text)} characters)"
-
-
-def _reads_apart(ops: list[Op]) -> list[list[Op] | ReadOp]:
-    """The ops in order, each read on its own between the runs of the others (a run may be
-    empty: lease bookkeeping alone)."""
-    parts: list[list[Op] | ReadOp] = []
-    run: list[Op] = []
-    for op in ops:
-        if isinstance(op, ReadOp):
-            if run:
-                parts.append(run)
-                run = []
-            parts.append(op)
-        else:
-            run.append(op)
-    if run or not parts:
-        parts.append(run)
-    return parts
-
-
-def _bumps_apart(ops: list[Op]) -> list[list[Op]]:
-    """Split a group so that every version bump commits with nothing but the acks queued right
-    before it; whatever follows a bump starts a new group.
-
-    Why: puts are checked against, and nacks settled by, the in-memory versions and rows, which a
-    transaction updates only after its commit. A put sharing a transaction with a bump would be
-    checked against the old version, and its rows would miss the bump's stale marking: a
-    strictly on-policy trainer would then be handed samples of the previous policy. Acks before
-    a bump may share its commit (one fsync for a trainer's last ack and its bump): the rows they
-    consume are leased, which the bump's stale marking passes over, and they record the version
-    before the bump, as they would in a commit of their own.
-    """
-    parts: list[list[Op]] = [[]]
-    for op in ops:
-        if isinstance(op, BumpOp):
-            if not all(isinstance(o, SettleOp) and o.ack for o in parts[-1]):
-                parts.append([])
-            parts[-1].append(op)
-            parts.append([])
-        else:
-            parts[-1].append(op)
-    return [p for p in parts if p] or [[]]
-
-

@@ -46,6 +46,7 @@ STORE_LAYERS = {
     # the writer (group commits, row SQL, settle/bump, checkpoints) and the reads
     "store.writer": WRITER_READS, "store.ops": WRITER_READS, "store.rows_sql": WRITER_READS,
     "store.settle": WRITER_READS, "store.checkpoints": WRITER_READS, "store.logged": WRITER_READS,
+    "store.op_groups": WRITER_READS,
     "store.readers": WRITER_READS, "store.claim_engine": WRITER_READS,
     "store.barriers": WRITER_READS, "store.requeue": WRITER_READS,
     # what the facade hands on: table DDL, versions, SQL reads, reports, maintenance
