@@ -23,7 +23,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from . import maintenance
+from . import maintenance, versions
 from .barrier import DEFAULT_BARRIER_TIMEOUT, check_expected, check_timeout, weights_of
 from .barriers import Barriers
 from .blobs import BlobStore
@@ -48,8 +48,6 @@ from .settings import StoreSettings
 from .sqlguard import check_query_options, check_select, predicate_query
 from .sql_query import run_select
 from .table_ddl import create_table_op, drop_table_op
-from .versions import barrier_timeout_op, check_bump, check_weights_uri, group_of, \
-    wait_version
 from .writer import Writer
 
 log = logging.getLogger("expstore.store")
@@ -440,7 +438,7 @@ class EmbeddedStore:
             VersionConflict: ``expected`` is not the current version.
         """
         live = self._index.live_table(table)
-        check_bump(expected, weights_uri)
+        versions.check_bump(expected, weights_uri)
         return int(self._writer.call(BumpOp(live.tdef.version_group, expected, weights_uri)))
 
     def wait_version(self, table: str, min_version: int, timeout: float | None = None) -> int:
@@ -450,7 +448,8 @@ class EmbeddedStore:
         """
         if self._closed:
             raise StoreClosed("the store is closed")
-        return wait_version(self._index, table, min_version, timeout, lambda: self._closed)
+        return versions.wait_version(self._index, table, min_version, timeout,
+                                     lambda: self._closed)
 
     def weights_uri(self, table: str) -> str | None:
         """Where the table's trainer published the weights of the current version (its own
@@ -489,11 +488,11 @@ class EmbeddedStore:
         waits on, as a long poll does).
         """
         check_expected(expected)
-        check_weights_uri(weights_uri)
+        versions.check_weights_uri(weights_uri)
         names = [tables] if isinstance(tables, str) else list(tables)
         if not names:
             raise InvalidArgument("arrive needs at least one table")
-        group = group_of(self._index, names)
+        group = versions.group_of(self._index, names)
         return self._barriers.arrive_poll(group, names, expected, weights_uri, timeout)
 
     def set_barrier_timeout(self, table: str, seconds: float) -> float:
@@ -501,7 +500,7 @@ class EmbeddedStore:
         counted from a round's first arrival (durable; default 600 s)."""
         seconds = check_timeout(seconds)
         group = self._index.live_table(table).tdef.version_group
-        self._writer.call(barrier_timeout_op(self._index, group, seconds))
+        self._writer.call(versions.barrier_timeout_op(self._index, group, seconds))
         return seconds
 
     def barrier(self, table: str) -> dict[str, Any]:
