@@ -248,8 +248,8 @@ def create_table(name: str, columns: tuple[str, ...], if_not_exists: bool, max_s
                  as_json: bool) -> None:
     """Create an experience table with data columns NAME:TYPE.
 
-    Types: bool, int8..int64, uint8..uint64, float32, float64, string, binary, timestamp,
-    list<T>, tensor<T>. Quote types with <> in a shell.
+    Types: bool, int8..int64, uint8..uint64, float16, bfloat16, float32, float64, string,
+    binary, timestamp, list<T>, tensor<T>. Quote types with <> in a shell.
 
     \b
     Example:

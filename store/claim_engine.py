@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from .blobs import BlobStore
 from .claims import Claim, ClaimRequest, check_consumer, check_lease_seconds
 from .errors import InvalidArgument, QueryBusy, QueryRefused, QueryTimeout, StorageError
+from .halves import from_stored_table, if_else
 from .index import StoreIndex
 from .live import LOADING, Lease, LiveTable, Row
 from .naming import quote
@@ -428,7 +429,7 @@ class ClaimEngine:
                f"{quote(live.tdef.name)} WHERE row_id IN (SELECT unnest(?::BIGINT[]))")
         table = self._readers.cursor(materialize=False).sql(sql, params=[row_ids]).to_arrow_table()
         ids = table.column("row_id").to_pylist()
-        table = table.drop_columns(["row_id"]).cast(schema)
+        table = from_stored_table(table.drop_columns(["row_id"]), schema)
         if ids:
             live.row_bytes = table.get_total_buffer_size() // len(ids)
         self._index.cache.hold(table)
@@ -440,7 +441,7 @@ class ClaimEngine:
         values = self._blobs.resolve(keys.to_pylist(), inline.type)
         if keys.null_count == 0:     # every value by reference: nothing to merge (if_else copies)
             return values
-        return pc.if_else(pc.is_valid(keys), values, inline)
+        return if_else(pc.is_valid(keys), values, inline)
 
 
 class CheckedClaim(NamedTuple):

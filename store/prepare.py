@@ -20,6 +20,8 @@ import pyarrow.compute as pc
 from . import tensors
 from .blob_chunks import Chunk, column_chunk, read_only
 from .errors import InvalidArgument, SchemaMismatch
+from .halves import float64_type, has_half, if_else, rounded
+from .host_arrays import flat_arrow, is_host_array, is_torch, list_rows
 from .schema import META_NAMES, WRITABLE_META, TableDef
 from .naming import MAX_SAMPLE_ID, SAMPLE_ID_PATTERN, sample_id_problem
 from .tensors import tensor_problem
@@ -131,15 +133,36 @@ def _columns_to_arrays(tdef: TableDef, cols: Mapping[str, Any]) -> dict[str, pa.
             assert target is not None
             if is_tensor(target):
                 out[name] = tensors.to_arrow(
-                    [None if v is None else np.asarray(v) for v in values],
-                    dtype=target.field(1).type.value_type.to_pandas_dtype())
+                    [v if v is None or is_host_array(v) else np.asarray(v) for v in values],
+                    dtype=target.field(1).type.value_type)
+            elif is_host_array(values) and (has_half(target) or is_torch(values)):
+                out[name] = _converted(name, _column_array(name, values, target), target)
             else:
-                out[name] = _python_values(name, list(values), target)
+                rows = list(values)
+                # rows of a list column as arrays or tensors (the first row tells)
+                first = next((v for v in rows if v is not None), None)
+                if is_host_array(first) and (has_half(target) or is_torch(first)):
+                    out[name] = _converted(name, list_rows(rows), target)
+                else:
+                    out[name] = _python_values(name, rows, target)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
             raise SchemaMismatch(f"values of column {name!r} do not fit its type "
                                  f"{type_name(target)}: {e}; expected {type_name(target)} "
                                  "values") from e
     return out
+
+
+def _column_array(name: str, values: Any, target: pa.DataType) -> pa.Array:
+    """A whole column given as one numpy array or torch tensor: one dimension for a column of
+    numbers, two (a row each) for a list column."""
+    dims = len(values.shape)
+    if dims == 1 and not (pa.types.is_large_list(target) or is_tensor(target)):
+        return flat_arrow(values)
+    if dims == 2 and pa.types.is_large_list(target):
+        return list_rows(list(values))
+    raise SchemaMismatch(f"column {name!r} is an array of shape {list(values.shape)}; expected "
+                         f"one dimension for a {type_name(target)} column, or a list of "
+                         "values, one per row")
 
 
 def _python_values(name: str, values: list[Any], target: pa.DataType) -> pa.Array:
@@ -157,6 +180,15 @@ def _python_values(name: str, values: list[Any], target: pa.DataType) -> pa.Arra
             raise SchemaMismatch(f"column {name!r} holds true/false among other values; "
                                  f"expected {type_name(target)} values") from None
         return pa.array(values, type=target)
+    if has_half(target) and not has_half(inferred.type):
+        # Python numbers carry no precision of their own: rounded to the column's, as
+        # pa.array(values, type=float16) would, refused where a number would overflow it.
+        problem = cast_problem(inferred.type, float64_type(target))
+        if problem is not None:
+            raise SchemaMismatch(f"column {name!r} holds {inferred.type} values, which are not "
+                                 f"written to a {type_name(target)} column: {problem}; send "
+                                 "numbers")
+        return rounded(inferred, target)
     return _converted(name, inferred, target)
 
 
@@ -429,8 +461,8 @@ def _converted(name: str, arr: pa.Array, target: pa.DataType) -> pa.Array:
             return pa.nulls(len(arr), target)
         problem = cast_problem(arr.type, target)
         if problem is not None:
-            raise SchemaMismatch(f"column {name!r} has type {arr.type}, which is not written to "
-                                 f"a {type_name(target)} column: {problem}; send "
+            raise SchemaMismatch(f"column {name!r} has type {type_name(arr.type)}, which is not "
+                                 f"written to a {type_name(target)} column: {problem}; send "
                                  f"{type_name(target)} values")
         try:
             arr = arr.cast(target, safe=True)
@@ -477,7 +509,7 @@ def _split(name: str, values: pa.Array, storage: str, threshold: int,
     index = np.full(n, -1, np.int64)
     index[positions] = np.arange(count)
     ref_index = pa.array(index, mask=index < 0)
-    inline = pc.if_else(big, pa.nulls(1, values.type)[0], values)
+    inline = if_else(big, pa.nulls(1, values.type)[0], values)
     return inline, ref_index, chunk
 
 

@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from .blob_keys import chunk_key, keys_for
 from .blobs import BlobStore
 from .errors import StaleVersion, StorageError
+from .halves import to_stored_table
 from .index import StoreIndex
 from .live import LEASED, LiveTable, Row, RowBlock
 from .naming import quote
@@ -131,11 +132,13 @@ class RowWriter:
         ids = self._row_ids(con, txn, live, keys)
         physical = physical.append_column("row_id", pa.array(ids.row_ids, pa.int64()))
         current = self._index.version_of(live)
+        # DuckDB holds half-precision values as their 16-bit patterns (store/halves.py).
+        stored = to_stored_table(physical) if live.tdef.has_halves else physical
         if ids.is_new.any():
-            new_rows = physical if ids.is_new.all() else physical.filter(pa.array(ids.is_new))
+            new_rows = stored if ids.is_new.all() else stored.filter(pa.array(ids.is_new))
             self._insert(con, txn, live, first, new_rows, current)
         if (~ids.is_new).any():
-            old_rows = physical.filter(pa.array(~ids.is_new)) if ids.is_new.any() else physical
+            old_rows = stored.filter(pa.array(~ids.is_new)) if ids.is_new.any() else stored
             self._update(con, live, first, old_rows, current)
         payload, cached, complete = self._payload(txn, live, first, physical, keys, current,
                                                   whole)

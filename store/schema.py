@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from .errors import InvalidArgument
+from .halves import has_half
 from .naming import check_identifier, quote
 from .types import duckdb_type, is_complex, parse_type, type_name
 
@@ -112,6 +113,12 @@ class TableDef:
 
     def __post_init__(self) -> None:
         self._by_name.update({c.name: c for c in self.columns})
+
+    @functools.cached_property
+    def has_halves(self) -> bool:
+        """Whether a data column holds half-precision values (held as their 16-bit patterns in
+        DuckDB, see :mod:`store.halves`)."""
+        return any(has_half(c.type) for c in self.columns)
 
     @classmethod
     def build(cls, name: str, columns: Mapping[str, Any], *, version_group: str | None = None,

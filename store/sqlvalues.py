@@ -47,7 +47,8 @@ from .errors import StorageError
 from .naming import quote
 from .schema import TableDef
 from .sqlguard import INTERNAL_FUNCTION_PREFIX, parse_tree
-from .types import duckdb_type
+from .halves import has_half, widened, widened_from_stored, widened_type
+from .types import duckdb_type, type_name
 
 # A blob key: segment, offset, length, row (see store/blobs.py).
 KEY = re.compile(r"[0-9]{1,12}:[0-9]{1,15}:[0-9]{1,15}:[0-9]{1,12}")
@@ -61,7 +62,7 @@ class ValueCursor:
         self.database = database
         self.seen_ddl = -1                      # the catalog change its views were made for
         self.views: dict[str, str] = {}         # table -> the view's SELECT
-        self.resolvers: dict[str, str] = {}     # value type -> function name
+        self.resolvers: dict[str, str] = {}     # value type's name -> function name
         self.errors: list[StorageError] = []    # blob errors of the query running on it
         # table -> the relation reading it whole as stored (see stored_relation)
         self.relations: dict[str, duckdb.DuckDBPyRelation] = {}
@@ -104,7 +105,8 @@ class ValueViews:
         if vc.seen_ddl == ddl_seq:
             return
         vc.relations.clear()
-        wanted = {t.name: self._view_sql(vc, t) for t in tables if any(c.ref for c in t.columns)}
+        wanted = {t.name: self._view_sql(vc, t) for t in tables
+                  if any(c.ref or has_half(c.type) for c in t.columns)}
         for name in [n for n in vc.views if n not in wanted]:
             vc.cursor.execute(f"DROP VIEW IF EXISTS temp.main.{quote(name)}")
             del vc.views[name]
@@ -117,19 +119,44 @@ class ValueViews:
     def _view_sql(self, vc: ValueCursor, tdef: TableDef) -> str:
         replaced = []
         for c in tdef.columns:
+            # half-precision values: their 16-bit patterns in the table, FLOAT in SQL
+            inline = f"{self._widener(vc, c.type)}({quote(c.name)})" if has_half(c.type) \
+                else quote(c.name)
             if c.ref:
                 fn = self._resolver(vc, c.type)
-                replaced.append(f"CASE WHEN {quote(c.ref)} IS NULL THEN {quote(c.name)} "
+                replaced.append(f"CASE WHEN {quote(c.ref)} IS NULL THEN {inline} "
                                 f"ELSE {fn}({quote(c.ref)}) END AS {quote(c.name)}")
+            elif has_half(c.type):
+                replaced.append(f"{inline} AS {quote(c.name)}")
         # ``* REPLACE`` keeps the table's own columns and order (keys included, so that SQL can
         # still tell where a value is stored).
         return (f"SELECT * REPLACE ({', '.join(replaced)}) "
                 f"FROM {quote(vc.database)}.main.{quote(tdef.name)}")
 
+    def _widener(self, vc: ValueCursor, value_type: pa.DataType) -> str:
+        """The name of ``vc``'s function turning stored half-precision patterns of
+        ``value_type`` into FLOAT values (:func:`store.halves.widened_from_stored`)."""
+        kind = f"widen {type_name(value_type)}"
+        name = vc.resolvers.get(kind)
+        if name is None:
+            with self._lock:
+                name = f"{INTERNAL_FUNCTION_PREFIX}value_{self._token}_{next(self._serial)}"
+
+            def widen(values: pa.Array) -> pa.Array:
+                return widened_from_stored(values, value_type)
+
+            vc.cursor.create_function(name, widen, [duckdb_type(value_type)],
+                                      duckdb_type(widened_type(value_type)),
+                                      type=PythonUDFType.ARROW)
+            vc.resolvers[kind] = name
+        return name
+
     def _resolver(self, vc: ValueCursor, value_type: pa.DataType) -> str:
         """The name of ``vc``'s resolver for values of ``value_type``, registered on first use."""
-        sql_type = duckdb_type(value_type)
-        name = vc.resolvers.get(sql_type)
+        sql_type = duckdb_type(widened_type(value_type))
+        # by value type: float16 and bfloat16 values are both FLOAT in SQL, read apart
+        kind = type_name(value_type)
+        name = vc.resolvers.get(kind)
         if name is not None:
             return name
         with self._lock:
@@ -138,13 +165,13 @@ class ValueViews:
 
         def resolve(keys: pa.Array) -> pa.Array:
             try:
-                return _resolve(blobs, keys, value_type)
+                return widened(_resolve(blobs, keys, value_type))
             except StorageError as e:
                 errors.append(e)
                 raise
 
         vc.cursor.create_function(name, resolve, ["VARCHAR"], sql_type, type=PythonUDFType.ARROW)
-        vc.resolvers[sql_type] = name
+        vc.resolvers[kind] = name
         return name
 
 
@@ -216,23 +243,30 @@ def whole_table(sql: str) -> str | None:
 def with_values(blobs: BlobStore, table: pa.Table, tdef: TableDef) -> pa.Table:
     """``table`` (rows of ``tdef``'s stored table, keys included) with each by-reference
     column's values in place: cut in bulk where the keys are a run of one chunk's rows, else
-    resolved key by key; as the resolving views give them (same types)."""
+    resolved key by key; and half-precision values as FLOAT; as the resolving views give them
+    (same values)."""
     names = set(table.schema.names)   # (a table's column_names builds a new list each time)
     for c in tdef.columns:
-        if not c.ref or c.ref not in names or c.name not in names:
-            continue
-        keys = table.column(c.ref)
-        if keys.null_count == len(keys):
+        half = has_half(c.type)  # stored as 16-bit patterns, seen as FLOAT (store/halves.py)
+        keys = table.column(c.ref) if c.ref and c.ref in names else None
+        by_value = keys is None or keys.null_count == len(keys)
+        if c.name not in names or (by_value and not half):
             continue
         at = table.schema.get_field_index(c.name)
-        target = table.schema.field(at).type
         inline = table.column(at)
-        values = blobs.resolve_keys(keys, target) if keys.null_count == 0 else None
-        if values is None:
-            resolved = blobs.resolve(keys.to_pylist(), target)
-            values = resolved if keys.null_count == 0 else \
-                pc.if_else(pc.is_valid(keys), resolved, inline)
-        table = table.set_column(at, table.schema.field(at), values)
+        if half:
+            inline = widened_from_stored(inline, c.type)
+        if keys is None or by_value:
+            values = inline
+        else:
+            target = c.type if half else table.schema.field(at).type
+            values = blobs.resolve_keys(keys, target) if keys.null_count == 0 else None
+            if values is None:
+                resolved = widened(blobs.resolve(keys.to_pylist(), target))
+                values = resolved if keys.null_count == 0 else \
+                    pc.if_else(pc.is_valid(keys), resolved, inline)
+            values = widened(values)
+        table = table.set_column(at, table.schema.field(at).with_type(values.type), values)
     return table
 
 

@@ -1,4 +1,4 @@
-"""numpy arrays ⇄ the store's Arrow tensor type (``struct<shape, data>``).
+"""numpy arrays (and torch tensors, in) ⇄ the store's Arrow tensor type (``struct<shape, data>``).
 
 >>> import numpy as np
 >>> arr = to_arrow([np.zeros((2, 3), np.float32)])
@@ -7,51 +7,67 @@
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .types import cast_problem, is_tensor, one_array, tensor_type
+from .halves import is_bfloat16
+from .host_arrays import dtype_name, flat_arrow, is_host_array, shape_of
+from .types import cast_problem, is_tensor, one_array, tensor_type, type_name
 
 
-def to_arrow(arrays: Sequence[np.ndarray | None], dtype: str | np.dtype | None = None) -> pa.Array:
-    """Pack numpy arrays (any shapes, one dtype) into a tensor column; ``None`` stays null."""
-    present = [a for a in arrays if a is not None]
-    np_dtype = np.dtype(dtype) if dtype is not None else (
-        np.asarray(present[0]).dtype if present else np.dtype("float32"))
-    element = pa.from_numpy_dtype(np_dtype)
+def to_arrow(arrays: Sequence[Any], dtype: str | np.dtype | pa.DataType | None = None
+             ) -> pa.Array:
+    """Pack numpy arrays or torch tensors (any shapes, one dtype) into a tensor column; ``None``
+    stays null.
+
+    Args:
+        dtype: the element type, as numpy or Arrow spells it (bfloat16:
+            :data:`store.halves.BFLOAT16`); default the first array's.
+    """
+    flats = [None if a is None else flat_arrow(a if is_host_array(a) else np.asarray(a))
+             for a in arrays]
+    present = [f for f in flats if f is not None]
+    if isinstance(dtype, pa.DataType):
+        element = dtype
+    elif dtype is not None:
+        element = pa.from_numpy_dtype(np.dtype(dtype))
+    else:
+        element = present[0].type if present else pa.float32()
     shapes: list[list[int] | None] = []
-    datas: list[pa.Array | None] = []
-    for a in arrays:
-        if a is None:
+    datas: list[pa.Array] = []
+    offsets = [0]
+    for a, flat in zip(arrays, flats):
+        if a is None or flat is None:
             shapes.append(None)
-            datas.append(None)
-            continue
-        a = np.asarray(a)
-        shapes.append(list(a.shape))
-        datas.append(_elements(a, element))
-    data = pa.array([d.to_pylist() if d is not None else None for d in datas],
-                    type=pa.large_list(element)) if datas else pa.array([], pa.large_list(element))
-    mask = pa.array([a is None for a in arrays], pa.bool_())
+        else:
+            shapes.append(shape_of(a if is_host_array(a) else np.asarray(a)))
+            datas.append(_elements(a, flat, element))
+        offsets.append(offsets[-1] + (len(datas[-1]) if a is not None else 0))
+    nulls = np.array([a is None for a in arrays], bool)
+    mask = pa.array(nulls) if nulls.any() else None
+    values = pa.concat_arrays(datas) if datas else pa.array([], element)
+    data = pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), values, mask=mask)
     return pa.StructArray.from_arrays([pa.array(shapes, pa.list_(pa.int64())), data],
-                                      names=["shape", "data"], mask=mask)
+                                      names=["shape", "data"], mask=pa.array(nulls))
 
 
-def _elements(a: np.ndarray, element: pa.DataType) -> pa.Array:
+def _elements(a: Any, flat: pa.Array, element: pa.DataType) -> pa.Array:
     """An array's values, flat, as ``element``: converted only where that keeps their meaning
     (``np.asarray(a, dtype)`` turned 1.5 into 1 and 2 into ``True`` without a word)."""
-    flat = pa.array(a.reshape(-1))
     if flat.type == element:
         return flat
     problem = cast_problem(flat.type, element)
     if problem is not None:
-        raise ValueError(f"a tensor of {a.dtype} is not written as {element}: {problem}")
+        raise ValueError(f"a tensor of {dtype_name(a)} is not written as {type_name(element)}: "
+                         f"{problem}")
     try:
         return flat.cast(element, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-        raise ValueError(f"a tensor of {a.dtype} does not convert to {element}: {e}") from e
+        raise ValueError(f"a tensor of {dtype_name(a)} does not convert to "
+                         f"{type_name(element)}: {e}") from e
 
 
 #: The most dimensions a tensor may have (numpy's own limit is 64) and the largest one.
@@ -139,6 +155,10 @@ def to_numpy(column: pa.Array | pa.ChunkedArray) -> list[np.ndarray | None]:
     if not is_tensor(column.type):
         raise TypeError(f"column of type {column.type} is not a tensor column")
     element = column.type.field(1).type.value_type
+    if is_bfloat16(element):
+        raise TypeError("a bfloat16 tensor column has no numpy dtype; read it as torch "
+                        "tensors (consumers.torch_collate.tensor_column) or its values as "
+                        "float32 (store.halves.bfloat16_floats)")
     out: list[np.ndarray | None] = []
     shapes = column.field("shape")
     datas = column.field("data")

@@ -4,6 +4,8 @@ A type is written as a short string (``"int32"``, ``"list<float32>"``, ``"tensor
 given as a ``pyarrow.DataType``. Tensors of any shape are an Arrow
 ``struct<shape: list<int64>, data: list<T>>`` so that they round-trip through Arrow, DuckDB and
 Flight without extension types; :mod:`store.tensors` converts numpy arrays to and from it.
+Half-precision elements (``float16``, ``bfloat16``; the latter an extension type) are
+described in :mod:`store.halves`.
 """
 from __future__ import annotations
 
@@ -13,18 +15,21 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import InvalidArgument
+from .halves import BFLOAT16, FLOAT16, is_half
 
 SCALARS: dict[str, pa.DataType] = {
     "bool": pa.bool_(),
     "int8": pa.int8(), "int16": pa.int16(), "int32": pa.int32(), "int64": pa.int64(),
     "uint8": pa.uint8(), "uint16": pa.uint16(), "uint32": pa.uint32(), "uint64": pa.uint64(),
-    "float32": pa.float32(), "float64": pa.float64(),
+    "float16": FLOAT16, "bfloat16": BFLOAT16, "float32": pa.float32(), "float64": pa.float64(),
     "string": pa.large_string(), "binary": pa.large_binary(),
     "timestamp": pa.timestamp("us", tz="UTC"),
 }
 ALIASES = {"int": "int64", "float": "float64", "double": "float64", "str": "string",
-           "text": "string", "bytes": "binary", "boolean": "bool"}
-NUMERIC_ELEMENTS = [n for n in SCALARS if n.startswith(("int", "uint", "float")) or n == "bool"]
+           "text": "string", "bytes": "binary", "boolean": "bool", "half": "float16",
+           "bf16": "bfloat16"}
+NUMERIC_ELEMENTS = [n for n in SCALARS
+                    if n.startswith(("int", "uint", "float", "bfloat")) or n == "bool"]
 ALLOWED = sorted(SCALARS) + ["list<T>", "tensor<T>"]
 
 _WRAPPED = re.compile(r"^(list|tensor)<\s*(.+?)\s*>$")
@@ -108,11 +113,14 @@ _DUCK_SCALARS = {
     "int64": "BIGINT", "uint8": "UTINYINT", "uint16": "USMALLINT", "uint32": "UINTEGER",
     "uint64": "UBIGINT", "float32": "FLOAT", "float64": "DOUBLE", "string": "VARCHAR",
     "binary": "BLOB", "timestamp": "TIMESTAMPTZ",
+    # their 16-bit patterns (see store/halves.py)
+    "float16": "USMALLINT", "bfloat16": "USMALLINT",
 }
 
 
 def duckdb_type(t: pa.DataType) -> str:
-    """The DuckDB column type holding values of Arrow type ``t``."""
+    """The DuckDB column type holding values of Arrow type ``t`` (half-precision values as
+    their 16-bit patterns, ``USMALLINT``, see :mod:`store.halves`)."""
     if is_tensor(t):
         return f"STRUCT(shape BIGINT[], data {duckdb_type(t.field(1).type.value_type)}[])"
     if pa.types.is_large_list(t):
@@ -157,12 +165,22 @@ def cast_problem(source: pa.DataType, target: pa.DataType) -> str | None:
     between each other (a value that does not fit, or a fraction written to an integer, is still
     refused by the conversion itself; a float64 written to a float32 column is rounded to
     float32's precision, as numpy would), ``string`` and ``binary`` between each other (text
-    must be valid UTF-8), list and tensor elements by the same rules.
+    must be valid UTF-8), list and tensor elements by the same rules. Half-precision columns
+    (``float16``, ``bfloat16``) take only values of their own type: rounding wider floats to
+    16 bits loses most of their precision (and a float16 overflows past 65504), which a
+    trainer must decide, not the store; half-precision values are not written to other
+    columns either but float16 to float32 and float64, which hold them exactly.
     """
     if pa.types.is_dictionary(source):
         source = source.value_type
     if source == target or pa.types.is_null(source):
         return None
+    if is_half(target) or is_half(source):
+        if source == FLOAT16 and target in (pa.float32(), pa.float64()):
+            return None
+        return (f"{type_name(source)} values are not {type_name(target)}; half-precision "
+                "values are written only as they are, never converted (convert them first, "
+                "e.g. numpy .astype(np.float16), torch .half() or .bfloat16())")
     if is_tensor(target):
         if not (pa.types.is_struct(source) and source.get_field_index("shape") >= 0
                 and source.get_field_index("data") >= 0):

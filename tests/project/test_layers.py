@@ -35,6 +35,7 @@ STORE_LAYERS = {
     "store.blob_keys": MODEL, "store.blob_chunks": MODEL, "store.blob_files": MODEL,
     "store.blob_writes": MODEL,
     "store.prepare": MODEL, "store.deadlines": MODEL, "store.table_memo": MODEL,
+    "store.halves": MODEL, "store.host_arrays": MODEL,
     # DuckDB and storage helpers: opening a database, Arrow sources, the SQL guard and the query
     # views, the put log's format, storage faults; claim requests and the Store protocol sit
     # here because a request's predicate is checked by the SQL guard, which parses with DuckDB
