@@ -42,8 +42,10 @@ import pyarrow as pa
 import torch
 
 from consumers.grpo import group_advantages
+from store.halves import bfloat16_floats, is_bfloat16
 
-__all__ = ["Columns", "TorchBatch", "collate", "pack_first_fit"]
+__all__ = ["Columns", "TorchBatch", "arrow_to_torch", "collate", "pack_first_fit",
+           "tensor_column"]
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,12 @@ def _list_column(table: pa.Table, name: str, cols: Columns) -> tuple[np.ndarray,
         i = int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
         raise ValueError(f"column {name!r} is null for {_sample_name(table, cols, i)}; every sample needs a value")
     lengths = arr.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
-    return arr.flatten().to_numpy(zero_copy_only=False), lengths
+    return _numbers(arr.flatten()), lengths
+
+
+def _numbers(arr: pa.Array) -> np.ndarray:
+    """A flat column's values as numpy (bfloat16, which numpy lacks, as float32: exact)."""
+    return bfloat16_floats(arr) if is_bfloat16(arr.type) else arr.to_numpy(zero_copy_only=False)
 
 
 def _scalar_column(table: pa.Table, name: str, cols: Columns) -> np.ndarray:
@@ -136,7 +143,7 @@ def _scalar_column(table: pa.Table, name: str, cols: Columns) -> np.ndarray:
     if arr.null_count:
         i = int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
         raise ValueError(f"column {name!r} is null for {_sample_name(table, cols, i)}; every sample needs a value")
-    return arr.to_numpy(zero_copy_only=False)
+    return _numbers(arr)
 
 
 def pack_first_fit(lengths: Sequence[int], pack_length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -162,6 +169,60 @@ def pack_first_fit(lengths: Sequence[int], pack_length: int) -> tuple[np.ndarray
     return rows, offsets
 
 
+def arrow_to_torch(values: pa.Array | pa.ChunkedArray, *, copy: bool = True) -> torch.Tensor:
+    """A flat Arrow array of numbers without nulls as a 1-D tensor of the matching dtype, bit
+    for bit: ``float16`` gives ``torch.float16``, ``bfloat16`` (the store's
+    ``expstore.bfloat16``, see :mod:`store.halves`) ``torch.bfloat16``.
+
+    Args:
+        copy: False shares the Arrow buffer (zero-copy, through DLPack) where its layout
+            allows: the tensor must then not be written to, as the buffer may be the store's
+            own (its cache of claimable values, in an embedded store).
+
+    Raises:
+        ValueError: the array has nulls (a tensor has no null).
+    """
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if values.null_count:
+        raise ValueError(f"an array of {values.type} with {values.null_count} nulls has no "
+                         "tensor form; expected no nulls")
+    bfloat16 = is_bfloat16(values.type)
+    if bfloat16:
+        values = values.storage
+    try:
+        tensor = torch.from_dlpack(values)
+    except (TypeError, BufferError, RuntimeError, NotImplementedError):  # e.g. bool (bit-packed)
+        tensor = torch.from_numpy(values.to_numpy(zero_copy_only=False).copy())
+        copy = False
+    if bfloat16:
+        tensor = tensor.view(torch.bfloat16)
+    return tensor.clone() if copy else tensor
+
+
+def tensor_column(column: pa.Array | pa.ChunkedArray) -> torch.Tensor | list[torch.Tensor]:
+    """A tensor column (``struct<shape, data>``) as torch tensors of its element type (float16
+    and bfloat16 included, bit for bit): one stacked ``[B, *shape]`` tensor when every shape
+    agrees, else a list. One copy (the tensors are the caller's to write to).
+
+    Raises:
+        ValueError: a null tensor.
+    """
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if column.null_count:
+        raise ValueError("the tensor column has a null value")
+    shapes = column.field("shape").to_pylist()
+    datas = column.field("data")
+    flat = arrow_to_torch(datas.flatten(), copy=False)
+    if shapes and all(shape == shapes[0] for shape in shapes):
+        return flat.reshape(len(shapes), *shapes[0]).clone()
+    offsets = datas.offsets.to_numpy()
+    base = int(offsets[0])
+    return [flat[int(a) - base:int(b) - base].reshape(shape).clone()
+            for a, b, shape in zip(offsets[:-1], offsets[1:], shapes)]
+
+
 def _tensor_columns(table: pa.Table, names: Sequence[str] | None) -> dict[str, torch.Tensor | list[torch.Tensor]]:
     candidates = names if names is not None else table.column_names
     out: dict[str, torch.Tensor | list[torch.Tensor]] = {}
@@ -172,18 +233,10 @@ def _tensor_columns(table: pa.Table, names: Sequence[str] | None) -> dict[str, t
             if names is not None:
                 raise TypeError(f"column {name!r} has type {t}; expected a tensor column struct<shape, data>")
             continue
-        from store.tensors import to_numpy  # imported on use: only tables with tensors need it
-
-        arrays = to_numpy(table.column(name))
-        if any(a is None for a in arrays):
-            raise ValueError(f"tensor column {name!r} has a null value")
-        # One copy: the arrays view read-only Arrow buffers, which torch must not write through;
-        # tensors of one shape are stacked by that copy (not copied, then stacked).
-        present = [a for a in arrays if a is not None]
-        if present and len({a.shape for a in present}) == 1:
-            out[name] = torch.from_numpy(np.stack(present))
-        else:
-            out[name] = [torch.from_numpy(np.array(a, copy=True)) for a in present]
+        try:
+            out[name] = tensor_column(table.column(name))
+        except ValueError:
+            raise ValueError(f"tensor column {name!r} has a null value") from None
     return out
 
 
