@@ -228,6 +228,7 @@ class ExchangeSession:
     def _arrive(self, weights_uri: Any) -> int:
         """Arrive at the barrier for the subscription's tables and start the next global batch
         at the group's new version."""
+        self._sub.check_can_bump()
         # The acks answered before the bump are durable first: a trainer that sent them
         # without waiting hears of them before a wait on other agents' trainers.
         self._send_answers(wait=True)

@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from store.errors import ExpstoreError, InvalidArgument, StoreClosed, Unavailable
-from store.subscription import STOP_POLL_SECONDS, BumpStopped, MicroBatch, rows_of_all
+from store.subscription import STOP_POLL_SECONDS, BumpStopped, MicroBatch, check_can_bump, \
+    rows_of_all
 
 from .wire.errors import from_flight
 from .wire.subscribe import ClientMessage, MicroBatchMeta, SubscribeOptions, reply_error, \
@@ -96,6 +97,7 @@ class RemoteSubscription:
                                         name="expstore-subscriber-send", daemon=True)
         self._sender.start()
         self._at_boundary = False
+        self._delivered = 0  # micro-batches of this global batch handed to the trainer
         self._thread = threading.Thread(target=self._receive, name="expstore-subscriber",
                                         daemon=True)
         self._thread.start()
@@ -240,6 +242,7 @@ class RemoteSubscription:
         if item.is_boundary:
             self._at_boundary = True
         self._unsettled.add(item.claim_id)
+        self._delivered = item.index + 1
         return item
 
     def renew(self, batch: MicroBatch, lease_seconds: float | None = None) -> dict[str, Any]:
@@ -268,6 +271,7 @@ class RemoteSubscription:
         self._unsettled.discard(batch.claim_id)
         if kind == "nack":
             self._at_boundary = False  # the rows come back; their slot is free (as embedded)
+            self._delivered -= 1
         return _answer(answer, kind) if wait else answer
 
     @property
@@ -285,6 +289,11 @@ class RemoteSubscription:
         subscription must then be closed: the server gives up waiting for its caller within
         one of its barrier steps once the stream's client side has ended (a round that
         completes before then advances the group as usual; only its answer is not read)."""
+        # Checked here too, against what the trainer was handed: the server may have pushed
+        # the global batch's last micro-batch already, before the trainer took it.
+        check_can_bump(self.tables, self.global_batch, self._delivered,
+                       self.global_batch_size // self.micro_batch_size, self._at_boundary,
+                       self._unsettled)
         # No ANSWER_TIMEOUT here: the barrier may wait for another agent's trainer for as long
         # as the group's barrier timeout (the server answers then); a stream that ends fails
         # this Future at once.
@@ -300,12 +309,14 @@ class RemoteSubscription:
         self.version = int(answer["version"])
         self.global_batch += 1
         self._at_boundary = False
+        self._delivered = 0
         return self.version
 
     def resume(self) -> None:
         self._request(ClientMessage("resume"))
         self.global_batch += 1
         self._at_boundary = False
+        self._delivered = 0
 
     def close(self) -> None:
         if self._closed:

@@ -38,7 +38,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Collection, Iterator, Protocol
 
 import pyarrow as pa
 
@@ -124,6 +124,31 @@ def _done(value: Any) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
+
+
+def check_can_bump(tables: list[str], global_batch: int, delivered: int, per_global: int,
+                   at_boundary: bool, unsettled: Collection[str]) -> None:
+    """Raise InvalidArgument unless a subscription's bump may end its global batch now: at its
+    boundary (its last micro-batch delivered to the trainer), with every micro-batch acked or
+    nacked (an ack sent without waiting counts: the bump follows it).
+
+    Why refuse: a bump in the middle of a global batch would make the accumulated gradient
+    that of part of a batch, and one with a micro-batch not yet settled would let the next
+    version start while rows of this one may still come back (a nack, a lease that ends) and
+    be trained on again. A trainer that wants to stop early nacks what it holds."""
+    names = repr(tables[0]) if len(tables) == 1 else repr(tables)
+    if not at_boundary:
+        raise InvalidArgument(
+            f"bump_version() ends a global batch, and global batch {global_batch} of {names} "
+            f"is not complete: {delivered} of its {per_global} micro-batches delivered; bump "
+            "after the micro-batch with is_boundary (at_boundary is then true)")
+    if unsettled:
+        held = sorted(unsettled)
+        raise InvalidArgument(
+            f"bump_version() ends a global batch, and {len(held)} of its micro-batches are "
+            f"neither acked nor nacked (claim ids {', '.join(held[:4])}"
+            f"{', …' if len(held) > 4 else ''}): ack them (ack(wait=False) is enough: the bump "
+            "follows it) before bumping")
 
 
 class Subscription:
@@ -293,6 +318,7 @@ class Subscription:
             VersionConflict: the group's version moved past this subscription's.
             BumpStopped: ``stop`` was set before the group's version advanced.
         """
+        self.check_can_bump()
         tables = self.tables if len(self.tables) > 1 else self.table
         if stop is None:
             new = self._store.arrive(tables, expected=self.version, weights_uri=weights_uri)
@@ -310,6 +336,12 @@ class Subscription:
                                       f"version {self.version} stays")
         self.advance(new)
         return new
+
+    def check_can_bump(self) -> None:
+        """Raise InvalidArgument unless a bump may end the global batch now (see
+        :func:`check_can_bump`)."""
+        check_can_bump(self.tables, self.global_batch, self._index,
+                       self.micro_batches_per_global, self._paused, self._in_flight)
 
     def advance(self, version: int) -> None:
         """Start the next global batch at ``version`` (what :meth:`bump_version` does once its

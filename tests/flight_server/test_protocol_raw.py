@@ -212,6 +212,14 @@ def test_subscription_over_raw_do_exchange(client):
             assert {"sample_id", "reward", "reward_status", "delivery_count"} <= set(
                 data.schema.names)
             seen += data.column("sample_id").to_pylist()
+            # A bump before the boundary, or before the boundary micro-batch is acked, is
+            # refused: a bump ends the global batch.
+            send({"type": "bump", "request": 10 + request})
+            answer, _ = next_message()
+            assert (answer["type"], answer["request"], answer["code"]) == (
+                "error", 10 + request, "invalid_argument")
+            assert ("neither acked nor nacked" if boundary else "is not complete") \
+                in answer["message"]
             send({"type": "ack", "claim_id": meta["claim_id"], "request": request})
             answer, none = next_message()
             assert none is None

@@ -206,3 +206,28 @@ def test_settling_a_micro_batch_again_answers_as_the_store_does(any_store):
     sub.close()  # nacks what was in flight
     with pytest.raises(LeaseExpired, match="nacked"):
         second.ack()
+
+
+def test_a_bump_before_the_global_batch_ends_or_before_its_acks_is_refused(any_store):
+    """bump_version() ends a global batch: refused in the middle of one and while one of its
+    micro-batches is neither acked nor nacked, with the version left as it was and the
+    subscription going on as before (embedded, and through the server's subscription
+    stream)."""
+    s = any_store
+    s.create_table("t", {"reward": "float64"})
+    s.put("t", {"sample_id": [f"q{i}_0_0" for i in range(8)], "reward": [1.0] * 8})
+    with s.subscribe("t", micro_batch_size=2, global_batch_size=4, idle_timeout=10) as sub:
+        first = sub.next(timeout=20)
+        first.ack()
+        with pytest.raises(InvalidArgument, match=r"1 of its 2 micro-batches delivered"):
+            sub.bump_version()
+        assert s.get_version("t") == 0
+        last = sub.next(timeout=20)
+        assert last.is_boundary and sub.at_boundary
+        with pytest.raises(InvalidArgument, match=rf"neither acked nor nacked .*{last.claim_id}"):
+            sub.bump_version()
+        assert s.get_version("t") == 0
+        last.ack(wait=False)              # the bump follows an ack in flight
+        assert sub.bump_version() == 1 and s.get_version("t") == 1
+        s.put("t", {"sample_id": ["n_0_0", "n_0_1"], "reward": [2.0, 2.0]})
+        assert sub.next(timeout=20).index == 0
