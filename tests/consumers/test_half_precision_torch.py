@@ -24,7 +24,8 @@ def _bits(t: torch.Tensor) -> list[int]:
     return t.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1).tolist()
 
 
-def test_a_claim_collates_to_half_precision_tensors(any_store):
+def test_a_micro_batch_collates_to_half_precision_tensors(any_store):
+    """Through a subscription (remote: the server's exchange stream)."""
     any_store.create_table("t", {"token_ids": "list<int32>", "logprobs": "list<bfloat16>",
                                  "reward": "float16", "hidden": "tensor<bfloat16>",
                                  "values": "tensor<float16>"})
@@ -36,8 +37,10 @@ def test_a_claim_collates_to_half_precision_tensors(any_store):
                         "logprobs": [logprobs, logprobs],
                         "reward": np.array([1.0, 0.0], np.float16),
                         "hidden": [hidden, hidden], "values": [values, values]})
-    claim = any_store.claim("t", 2)
-    batch = collate(claim.data, columns=None, float_dtype=torch.bfloat16)
+    sub = any_store.subscribe("t", micro_batch_size=2, global_batch_size=2)
+    mb = sub.next(timeout=20)
+    assert mb is not None, "no micro-batch within 20 s"
+    batch = collate(mb.data, columns=None, float_dtype=torch.bfloat16)
     assert batch.extras["hidden"].dtype == torch.bfloat16
     assert batch.extras["hidden"].shape == (2, 2, 4)
     assert _bits(batch.extras["hidden"]) == BF16_BITS.tolist() * 2
@@ -47,7 +50,8 @@ def test_a_claim_collates_to_half_precision_tensors(any_store):
     assert batch.old_logprobs.dtype == torch.bfloat16
     assert _bits(batch.old_logprobs) == _bits(logprobs) * 2
     assert batch.rewards.tolist() == [1.0, 0.0]
-    any_store.ack(claim.claim_id)
+    mb.ack()
+    sub.close()
 
 
 def test_arrow_to_torch_shares_the_buffer_when_asked():

@@ -98,8 +98,8 @@ def test_arrow_input_updates_and_values_read_back_after_reopen(open_store, db_pa
     assert _raw(data.column("rb")).tolist() == np.tile(BF16_BITS, 2).tolist()
 
 
-def test_sql_sees_the_values_as_float(embedded_store):
-    s = embedded_store
+def test_sql_sees_the_values_as_float(any_store):
+    s = any_store
     s.create_table("t", COLUMNS, storage={"rb": "ref"})
     rows = _rows()
     s.put("t", rows)
@@ -120,7 +120,9 @@ def test_sql_sees_the_values_as_float(embedded_store):
         for name in ("lb", "rb"):
             flat = got.column(name).combine_chunks().flatten().to_numpy().view(np.uint32)
             assert flat.tolist() == np.tile(BF16_BITS.astype(np.uint32) << 16, N).tolist(), name
-    assert s.query("SELECT count(*) FROM t").column(0).to_pylist() == [N]
+    # claim predicates see the values too
+    picked = s.claim("t", N, where="b = 1 AND h = 1 AND list_contains(rb, 1)").data
+    assert picked.column("sample_id").to_pylist() == [f"q{list(BF16_BITS).index(0x3F80)}_0_0"]
 
 
 @pytest.mark.parametrize("column, value, dtype", [
