@@ -25,6 +25,7 @@ from flight_server.cluster.locations import parse_key, row_keys
 from flight_server.cluster.security import NO_SECURITY, ClusterSecurity
 from producers import ExperienceWriter
 from store.errors import InvalidArgument, LeaseExpired, NotFound, PermissionDenied
+from store.halves import BFLOAT16
 
 from flight_fixtures import (TOKENS, WRONG_TOKEN, action_json, bearer, error_code,
                              self_signed_cert, write_tokens)
@@ -397,6 +398,26 @@ def test_a_rows_columns_written_on_different_machines_come_back_together(cluster
         assert data.column("response").to_pylist() == [f"resp{i}" for i in range(5)]
         assert data.column("tokens").to_pylist() == [[0], [1], [2], [3], [9]]
         assert trainer.fetch_stats["fetches"] == 2      # one call to each of the two nodes
+
+
+def test_half_precision_values_cross_the_data_nodes_bit_for_bit(cluster):
+    """bfloat16 (an Arrow extension type) and float16 values by reference on a data node,
+    bfloat16 scalars on the coordinator: a claim on another machine gets the same bits."""
+    bits = [0x7F81, 0xFFC1, 0x7F80, 0x0001, 0x8001, 0x8000, 0x3F80, 0xBF00]
+    bf16 = pa.ExtensionArray.from_storage(BFLOAT16, pa.array(bits, pa.uint16()))
+    with client(cluster, 0) as producer, client(cluster, 1) as trainer:
+        producer.create_table("t", {"b": "bfloat16", "lb": "list<bfloat16>",
+                                    "lh": "list<float16>"}, storage={"lb": "ref", "lh": "ref"})
+        producer.put("t", pa.table({
+            "sample_id": ["a_0_0", "b_0_0"], "b": bf16.slice(0, 2),
+            "lb": pa.LargeListArray.from_arrays(pa.array([0, 8, 16], pa.int64()),
+                                                pa.concat_arrays([bf16, bf16])),
+            "lh": pa.array([[1.5, -2.0], [65504.0]], pa.large_list(pa.float16()))}))
+        data = trainer.claim("t", 2).tables["t"].sort_by("sample_id")
+        assert data.column("b").type == BFLOAT16
+        assert data.column("b").combine_chunks().storage.to_pylist() == bits[:2]
+        assert data.column("lb").combine_chunks().flatten().storage.to_pylist() == bits * 2
+        assert data.column("lh").to_pylist() == [[1.5, -2.0], [65504.0]]
 
 
 def test_a_null_by_reference_value_gets_no_key(cluster):
