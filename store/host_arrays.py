@@ -77,3 +77,29 @@ def list_rows(values: list[Any]) -> pa.Array:
     data = pa.concat_arrays(flats) if flats else pa.array([], element)
     mask = pa.array(nulls, pa.bool_()) if any(nulls) else None
     return pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), data, mask=mask)
+
+
+def scalar_rows(values: list[Any]) -> pa.Array:
+    """Rows of a column of numbers given as 0-d arrays or tensors (``None``: a null row), as
+    one array of their element type.
+
+    Raises:
+        ValueError: a row holding more than one value, or rows of different element types.
+    """
+    flats: list[pa.Array | None] = []
+    for i, v in enumerate(values):
+        if v is None:
+            flats.append(None)
+            continue
+        if not is_host_array(v):
+            v = np.asarray(v)
+        if len(v.shape):
+            raise ValueError(f"row {i} is an array of shape {shape_of(v)}; expected one value "
+                             "per row (a 0-d array or tensor)")
+        flats.append(flat_arrow(v))
+    types = {f.type for f in flats if f is not None}
+    if len(types) > 1:
+        raise ValueError(f"rows hold values of different element types "
+                         f"{sorted(str(t) for t in types)}; expected one")
+    element = types.pop() if types else pa.null()
+    return pa.concat_arrays([pa.nulls(1, element) if f is None else f for f in flats])

@@ -21,7 +21,7 @@ from . import tensors
 from .blob_chunks import Chunk, column_chunk, read_only
 from .errors import InvalidArgument, SchemaMismatch
 from .halves import float64_type, has_half, if_else, rounded
-from .host_arrays import flat_arrow, is_host_array, is_torch, list_rows
+from .host_arrays import flat_arrow, is_host_array, is_torch, list_rows, scalar_rows
 from .schema import META_NAMES, WRITABLE_META, TableDef
 from .naming import MAX_SAMPLE_ID, SAMPLE_ID_PATTERN, sample_id_problem
 from .tensors import tensor_problem
@@ -139,10 +139,11 @@ def _columns_to_arrays(tdef: TableDef, cols: Mapping[str, Any]) -> dict[str, pa.
                 out[name] = _converted(name, _column_array(name, values, target), target)
             else:
                 rows = list(values)
-                # rows of a list column as arrays or tensors (the first row tells)
+                # rows as arrays or tensors, 0-d or a list's values (the first row tells)
                 first = next((v for v in rows if v is not None), None)
                 if is_host_array(first) and (has_half(target) or is_torch(first)):
-                    out[name] = _converted(name, list_rows(rows), target)
+                    by_rows = list_rows if pa.types.is_large_list(target) else scalar_rows
+                    out[name] = _converted(name, by_rows(rows), target)
                 else:
                     out[name] = _python_values(name, rows, target)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
