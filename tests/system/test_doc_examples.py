@@ -38,7 +38,9 @@ def test_the_readme_python_blocks_run_in_order_on_one_server(tmp_path, capsys):
         namespace["conn"].close()
         namespace["critic"].close()
         namespace["s"].close()
-    assert "3 16 True" in capsys.readouterr().out  # the quick start's last micro-batch: a boundary
+    out = capsys.readouterr().out
+    assert "3 16 True" in out  # the quick start's last micro-batch: a boundary
+    assert "torch.bfloat16 (2, 2, 4)" in out  # values in 16 bits
 
 
 def test_the_protocol_page_raw_pyarrow_session_runs(tmp_path):
