@@ -76,3 +76,10 @@ def test_tensor_column_of_mixed_shapes_is_a_list():
     assert isinstance(got, list) and [t.shape for t in got] == [(2, 2), (3,)]
     assert _bits(got[0]) + _bits(got[1]) == BF16_BITS[:7].tolist()
     assert tensor_column(column.slice(1))[0].dtype == torch.bfloat16
+
+
+def test_numpy_has_no_bfloat16_and_says_where_to_go():
+    from store.tensors import to_arrow, to_numpy
+    with pytest.raises(TypeError, match="tensor_column"):
+        to_numpy(to_arrow([_bf16(BF16_BITS)], dtype=BFLOAT16))
+    assert to_numpy(to_arrow([np.ones(2, np.float16)]))[0].dtype == np.float16

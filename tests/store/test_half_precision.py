@@ -173,3 +173,23 @@ def test_create_table_refuses_unknown_half_spellings(embedded_store):
     with pytest.raises(InvalidArgument, match="float16, float32") as err:
         embedded_store.create_table("t", {"x": "list<float8>"})
     assert "bfloat16" in str(err.value)
+
+
+@pytest.mark.parametrize("cache_limit", [None, 0], ids=["cached", "uncached"])
+def test_auto_storage_mixes_inline_and_by_reference_values(open_store, db_path, cache_limit):
+    """A column stored by size: long bfloat16 lists go to the blob store, short ones stay in
+    DuckDB (Arrow has no if_else kernel for the extension type); both read back exactly, by a
+    claim and by SQL."""
+    options = {} if cache_limit is None else {"cache_limit": cache_limit}
+    s = open_store(db_path, ref_threshold=64, **options)
+    s.create_table("t", {"lb": "list<bfloat16>"})
+    long, short = np.tile(BF16_BITS, 8), BF16_BITS[:3]   # 192 and 6 bytes
+    s.put("t", {"sample_id": ["a_0_0", "b_0_0", "c_0_0"],
+                "lb": [_bf16(long), _bf16(short), _bf16(long)]})
+    stored = s.query("SELECT lb__ref IS NULL AS inline FROM t ORDER BY sample_id")
+    assert stored.column(0).to_pylist() == [False, True, False]
+    data = s.claim("t", 3).data.sort_by("sample_id")
+    assert _raw(data.column("lb")).tolist() == [*long, *short, *long]
+    for sql in ("SELECT * FROM t", "SELECT sample_id, lb FROM t"):  # (whole table; views)
+        got = s.query(sql).sort_by("sample_id").column("lb").combine_chunks().flatten()
+        assert (got.to_numpy().view(np.uint32) >> 16).tolist() == [*long, *short, *long], sql
