@@ -23,22 +23,26 @@ def is_torch(value: Any) -> bool:
 
 
 def is_host_array(value: Any) -> bool:
-    """Whether ``value`` is a numpy array or a torch tensor."""
-    return isinstance(value, np.ndarray) or is_torch(value)
+    """Whether ``value`` is a numpy array, a torch tensor or an Arrow array (one dimension)."""
+    return isinstance(value, (np.ndarray, pa.Array)) or is_torch(value)
 
 
 def dtype_name(value: Any) -> str:
     """The value's element type as its library spells it (``float16``, ``torch.bfloat16``)."""
-    return str(value.dtype)
+    return str(value.type if isinstance(value, pa.Array) else value.dtype)
 
 
 def shape_of(value: Any) -> list[int]:
+    if isinstance(value, pa.Array):
+        return [len(value)]
     return [int(d) for d in value.shape]
 
 
 def flat_arrow(value: Any) -> pa.Array:
     """A numpy array's or torch tensor's values, flattened in C order, as an Arrow array of
     their own element type (no copy where the values are contiguous in host memory)."""
+    if isinstance(value, pa.Array):
+        return value
     if is_torch(value):
         torch = sys.modules["torch"]
         tensor = value.detach().cpu()
@@ -64,7 +68,7 @@ def list_rows(values: list[Any]) -> pa.Array:
         if v is not None:
             if not is_host_array(v):
                 v = np.asarray(v)
-            if len(v.shape) != 1:
+            if len(shape_of(v)) != 1:
                 raise ValueError(f"row {i} is an array of shape {shape_of(v)}; expected one "
                                  "dimension (a list per row)")
             flats.append(flat_arrow(v))
@@ -93,7 +97,7 @@ def scalar_rows(values: list[Any]) -> pa.Array:
             continue
         if not is_host_array(v):
             v = np.asarray(v)
-        if len(v.shape):
+        if isinstance(v, pa.Array) or len(v.shape):
             raise ValueError(f"row {i} is an array of shape {shape_of(v)}; expected one value "
                              "per row (a 0-d array or tensor)")
         flats.append(flat_arrow(v))

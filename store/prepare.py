@@ -146,7 +146,8 @@ def _columns_to_arrays(tdef: TableDef, cols: Mapping[str, Any]) -> dict[str, pa.
                     out[name] = _converted(name, by_rows(rows), target)
                 else:
                     out[name] = _python_values(name, rows, target)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError,
+                ValueError, OverflowError) as e:
             raise SchemaMismatch(f"values of column {name!r} do not fit its type "
                                  f"{type_name(target)}: {e}; expected {type_name(target)} "
                                  "values") from e

@@ -193,3 +193,47 @@ def test_auto_storage_mixes_inline_and_by_reference_values(open_store, db_path, 
     for sql in ("SELECT * FROM t", "SELECT sample_id, lb FROM t"):  # (whole table; views)
         got = s.query(sql).sort_by("sample_id").column("lb").combine_chunks().flatten()
         assert (got.to_numpy().view(np.uint32) >> 16).tolist() == [*long, *short, *long], sql
+
+
+CRASHING_WRITER = """
+import sys
+import numpy as np
+import pyarrow as pa
+import store
+from store.halves import BFLOAT16
+s = store.connect(sys.argv[1])
+s.create_table("t", {"h": "float16", "lb": "list<bfloat16>"})
+bits = np.array(sys.argv[2].split(","), np.uint16)
+lb = pa.ExtensionArray.from_storage(BFLOAT16, pa.array(bits))
+for i in range(3):  # small puts: the put log's path
+    s.put("t", {"sample_id": [f"q{i}_0_0"], "h": bits[i:i + 1].view(np.float16), "lb": [lb]})
+print("PUT", flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_acknowledged_values_survive_a_kill_bit_for_bit(tmp_path):
+    """Written, acknowledged, then SIGKILL: the reopened store (its put log replayed) has the
+    same 16-bit patterns."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = str(tmp_path / "x.duckdb")
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.Popen(
+        [sys.executable, "-c", CRASHING_WRITER, path, ",".join(map(str, F16_BITS))], cwd=root,
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "PUT", child.stderr.read()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    s = store.connect(path)
+    try:
+        data = s.claim("t", 3).data.sort_by("sample_id")
+        assert _raw(data.column("h")).tolist() == F16_BITS[:3].tolist()
+        assert _raw(data.column("lb")).tolist() == np.tile(F16_BITS, 3).tolist()
+    finally:
+        s.close()
