@@ -283,7 +283,7 @@ def rounded(values: pa.Array, target: pa.DataType) -> pa.Array:
         if mask is not None:
             over &= ~mask
         if over.any():
-            bad = wide[np.argmax(over)]
+            bad = float(wide[np.argmax(over)])
             raise ValueError(f"{bad!r} is out of {'float16' if element == FLOAT16 else 'bfloat16'}"
                              f"'s range (largest finite: "
                              f"{'65504' if element == FLOAT16 else '3.39e38'})")
