@@ -20,6 +20,7 @@ from store.sqlguard import check_query_options, check_sql_text
 from store.errors import ExpstoreError, InvalidArgument, QueryTimeout, StoreClosed, Unavailable
 from store.prepare import NO_ROWS, put_timeout, to_arrow_table
 from store.schema import TableDef, check_column_mapping
+from store.waits import check_wait
 
 from . import wire
 from .reachable import check_listening
@@ -49,6 +50,18 @@ DEFAULT_CONNECT_SECONDS = 10.0
 STREAM_CLAIM_BYTES = 512 * 1024
 
 
+class _CallDefault:
+    """The marker of "this client's own per-call timeout" (``RemoteStore(timeout=...)``) where
+    a method's ``timeout`` was not given: an object no caller passes by accident (-1 stood for
+    it once, so that ``put(timeout=-1)`` waited 60 s here and not at all embedded)."""
+
+    def __repr__(self) -> str:
+        return "<the client's timeout>"
+
+
+CALL_DEFAULT: Any = _CallDefault()
+
+
 class RemoteStore:
     """A client of an expstore Flight server.
 
@@ -56,7 +69,8 @@ class RemoteStore:
         uri: ``grpc://host:port`` or ``grpc+tls://host:port``.
         token: bearer token when the server has auth on.
         tls_root_certs: PEM bytes or a path, to trust a self-signed server certificate.
-        timeout: default seconds per call (None: no limit).
+        timeout: default seconds per call (None: no limit; the rule of every wait,
+            store/waits.py: negative, NaN or infinite values are refused).
         connect_timeout: seconds to wait for the server, a server still starting included
             (its port refusing connections until it listens). None (the default): fail at once
             where nothing listens (a refused connection: a wrong port, no server running), and
@@ -91,7 +105,7 @@ class RemoteStore:
             kwargs["tls_root_certs"] = tls_root_certs
         self._client = flight.FlightClient(uri, **kwargs)
         self._headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-        self._timeout = timeout
+        self._timeout = check_wait(timeout, "RemoteStore")
         self._defs: dict[str, TableDef] = {}
         self._closed = False
         self._session: SessionChannel | None = None
@@ -102,7 +116,7 @@ class RemoteStore:
         # per table: the fingerprint and claim schema the server last sent in a claim answer
         self._claim_schemas: dict[str, tuple[str, pa.Schema]] = {}
         self._claim_streams: bool | None = None  # whether the server serves them (None: unknown)
-        self._wait_ready(connect_timeout)
+        self._wait_ready(check_wait(connect_timeout, "connect"))
 
     def _wait_ready(self, timeout: float | None) -> None:
         if timeout is None:
@@ -119,9 +133,18 @@ class RemoteStore:
                         "its certificate is not trusted (tls_root_certs, CLI --tls-root-certs)")
             raise Unavailable(f"no expstore server answers at {self.uri}: {e}{hint}") from None
 
-    def _options(self, timeout: float | None = -1.0) -> flight.FlightCallOptions:
-        t = self._timeout if timeout == -1.0 else timeout
+    def _options(self, timeout: float | None = CALL_DEFAULT) -> flight.FlightCallOptions:
+        t = self._timeout if timeout is CALL_DEFAULT else timeout
         return flight.FlightCallOptions(headers=self._headers, timeout=t)
+
+    def call_timeout(self, timeout: Any, what: str) -> float | None:
+        """A caller's ``timeout`` for ``what`` in seconds (None: no limit), this client's own
+        where none was given (:data:`CALL_DEFAULT`).
+
+        Raises:
+            InvalidArgument: a negative, NaN or infinite timeout (store/waits.py).
+        """
+        return self._timeout if timeout is CALL_DEFAULT else check_wait(timeout, what)
 
     @contextmanager
     def _calls(self) -> Iterator[None]:
@@ -131,13 +154,13 @@ class RemoteStore:
             raise from_flight(e) from None
 
     def _action(self, name: str, body: dict[str, Any] | None = None,
-                timeout: float | None = -1.0) -> list[bytes]:
+                timeout: float | None = CALL_DEFAULT) -> list[bytes]:
         with self._calls():
             results = self._client.do_action(wire.action(name, body), self._options(timeout))
             return [r.body.to_pybytes() for r in results]
 
     def _json(self, name: str, body: dict[str, Any] | None = None,
-              timeout: float | None = -1.0) -> Any:
+              timeout: float | None = CALL_DEFAULT) -> Any:
         return wire.json_result(self._action(name, body, timeout), name)
 
     def call_action(self, name: str, body: dict[str, Any] | None = None) -> Any:
@@ -192,20 +215,23 @@ class RemoteStore:
         return self._tdef(name).write_schema()
 
     # -- writes --------------------------------------------------------------------------------
-    def put(self, table: str, data: Any, *, timeout: float | None = -1.0) -> dict[str, Any]:
-        """Upsert rows; returns once the server answered that they are durable."""
+    def put(self, table: str, data: Any, *,
+            timeout: float | None = CALL_DEFAULT) -> dict[str, Any]:
+        """Upsert rows; returns once the server answered that they are durable. ``timeout``
+        as embedded (None: as long as it takes, 0: no wait; store/waits.py); not given: this
+        client's per-call timeout."""
+        seconds = self.call_timeout(timeout, "put")   # refused before anything is sent
         try:
-            return self._put(table, data, timeout)
+            return self._put(table, data, seconds)
         except (TimeoutError, QueryTimeout):  # a put runs no query: the caller's time ran out
-            raise put_timeout(table, self._timeout if timeout == -1.0 else timeout) from None
+            raise put_timeout(table, seconds) from None
 
     def _put(self, table: str, data: Any, timeout: float | None) -> dict[str, Any]:
         arrow = self._arrow(table, data)
         channel = self._channel() if self._on_session(arrow) else None
         if channel is not None and channel.carries_puts is not False:
             try:
-                answer = self._put_on_session(channel, table, arrow).result(
-                    self._timeout if timeout == -1.0 else timeout)
+                answer = self._put_on_session(channel, table, arrow).result(timeout)
             except InvalidArgument as e:
                 if channel.carries_puts is not None or NOT_ON_SESSION not in str(e):
                     raise
@@ -254,11 +280,12 @@ class RemoteStore:
                                         [sink.getvalue().to_pybytes()]), "put")
 
     def put_batches(self, table: str, batches: list[pa.RecordBatch], schema: pa.Schema,
-                    *, timeout: float | None = -1.0) -> list[dict[str, Any]]:
+                    *, timeout: float | None = CALL_DEFAULT) -> list[dict[str, Any]]:
+        seconds = self.call_timeout(timeout, "put")
         answers: list[dict[str, Any]] = []
         with self._calls():
             writer, meta = self._client.do_put(flight.FlightDescriptor.for_path(table), schema,
-                                               self._options(timeout))
+                                               self._options(seconds))
             try:
                 for batch in batches:
                     if batch.num_rows:
@@ -459,7 +486,9 @@ class RemoteStore:
 
     def wait_version(self, table: str, min_version: int, timeout: float | None = None) -> int:
         """Long-poll the server until the version reaches ``min_version`` (no client polling:
-        each call blocks server-side for up to 300 s)."""
+        each call blocks server-side for up to 300 s). ``timeout`` as embedded (None: no
+        limit, 0: the current version at once; store/waits.py)."""
+        timeout = check_wait(timeout, "wait_version")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = 300.0 if deadline is None else max(0.0, min(300.0,

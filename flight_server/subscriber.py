@@ -22,6 +22,7 @@ import pyarrow.flight as flight
 from store.errors import ExpstoreError, InvalidArgument, StoreClosed, Unavailable
 from store.subscription import STOP_POLL_SECONDS, BumpStopped, MicroBatch, check_can_bump, \
     rows_of_all
+from store.waits import check_wait
 
 from .wire.errors import from_flight
 from .wire.subscribe import ClientMessage, MicroBatchMeta, SubscribeOptions, reply_error, \
@@ -50,12 +51,12 @@ class RemoteSubscription:
     def __init__(self, remote: Any, table: str | list[str], micro_batch_size: int,
                  global_batch_size: int, *, idle_timeout: float | None = None,
                  **options: Any) -> None:
+        self.idle_timeout = check_wait(idle_timeout, "idle_timeout")  # before the stream opens
         self._remote = remote
         self.tables = [table] if isinstance(table, str) else list(table)
         self.table = self.tables[0] if self.tables else ""
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
-        self.idle_timeout = idle_timeout
         self.max_in_flight = int(options.get("max_in_flight") or 2)
         self._lease_seconds = options.get("lease_seconds")
         self._unsettled: set[str] = set()
@@ -223,6 +224,9 @@ class RemoteSubscription:
         return batch
 
     def next(self, timeout: float | None = None) -> RemoteMicroBatch | None:
+        """The next micro-batch, waiting up to ``timeout`` seconds (None: forever; 0: only one
+        here now); None when none came. As the embedded subscription's (store/waits.py)."""
+        timeout = check_wait(timeout, "next")
         if self._at_boundary:
             raise InvalidArgument("the global batch is complete: call bump_version() (or "
                                   "resume()) before asking for the next micro-batch")

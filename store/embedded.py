@@ -48,6 +48,7 @@ from .settings import StoreSettings
 from .sqlguard import check_query_options, check_select, predicate_query
 from .sql_query import run_select
 from .table_ddl import create_table_op, drop_table_op
+from .waits import check_wait
 from .writer import Writer
 
 log = logging.getLogger("expstore.store")
@@ -179,11 +180,16 @@ class EmbeddedStore:
         ``sample_id`` and any subset of the data and status columns (and optionally
         ``policy_version``, default the current version). A written column's status becomes
         true unless the write gives the status itself; a null value leaves that column as it was.
+        ``timeout``: None waits as long as it takes, seconds > 0 that long, 0 not at all
+        (store/waits.py, the same in every store).
 
         Raises:
-            SchemaMismatch, InvalidArgument: bad columns, types or sample ids.
+            SchemaMismatch, InvalidArgument: bad columns, types or sample ids, or a timeout that
+                is negative, NaN or infinite (nothing is stored).
             StaleVersion: a policy version outside the staleness bound or in the future.
+            TimeoutError: not durable within ``timeout`` (it may still be applied).
         """
+        timeout = check_wait(timeout, "put")  # before the put is queued: refused, not stored
         future = self.put_async(table, data)
         try:
             return future.result(timeout)
@@ -444,12 +450,13 @@ class EmbeddedStore:
     def wait_version(self, table: str, min_version: int, timeout: float | None = None) -> int:
         """Block until the table's version is at least ``min_version``; return the version.
 
-        Returns the current version when ``timeout`` passes first.
+        Returns the current version when ``timeout`` passes first (None: no limit; 0: at once;
+        see store/waits.py).
         """
         if self._closed:
             raise StoreClosed("the store is closed")
-        return versions.wait_version(self._index, table, min_version, timeout,
-                                     lambda: self._closed)
+        return versions.wait_version(self._index, table, min_version,
+                                     check_wait(timeout, "wait_version"), lambda: self._closed)
 
     def weights_uri(self, table: str) -> str | None:
         """Where the table's trainer published the weights of the current version (its own
@@ -481,7 +488,8 @@ class EmbeddedStore:
     def arrive_poll(self, tables: str | list[str], *, expected: int,
                     weights_uri: str | None = None,
                     timeout: float | None = None) -> dict[str, Any]:
-        """:meth:`arrive`, waiting at most ``timeout`` seconds (None: until the round ends).
+        """:meth:`arrive`, waiting at most ``timeout`` seconds (None: until the round ends; 0:
+        arrive and answer at once; see store/waits.py).
 
         Returns ``{"version", "complete", "waiting_for"}``: ``complete`` false when the caller's
         timeout passed first (the arrival stays; arriving again with the same ``expected``
@@ -493,7 +501,8 @@ class EmbeddedStore:
         if not names:
             raise InvalidArgument("arrive needs at least one table")
         group = versions.group_of(self._index, names)
-        return self._barriers.arrive_poll(group, names, expected, weights_uri, timeout)
+        return self._barriers.arrive_poll(group, names, expected, weights_uri,
+                                          check_wait(timeout, "arrive_poll"))
 
     def set_barrier_timeout(self, table: str, seconds: float) -> float:
         """Set how long the barrier of the table's version group waits for its last member,

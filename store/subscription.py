@@ -44,6 +44,7 @@ import pyarrow as pa
 
 from .claims import Claim, ClaimRequest, check_consumer, check_lease_seconds
 from .errors import InvalidArgument, QueryBusy
+from .waits import check_wait
 
 log = logging.getLogger("expstore.subscription")
 
@@ -163,7 +164,8 @@ class Subscription:
         where, group_by, group_size: as for :meth:`store.embedded.EmbeddedStore.claim` (with
             several tables, applied to each).
         max_in_flight: micro-batches handed out and not yet acked or nacked.
-        idle_timeout: stop iterating after this many seconds without a micro-batch (None: never).
+        idle_timeout: stop iterating after this many seconds without a micro-batch (None: never;
+            0: once no micro-batch is ready; see store/waits.py).
     """
 
     def __init__(self, store: Any, table: str | list[str], micro_batch_size: int,
@@ -216,7 +218,7 @@ class Subscription:
                             "lease_seconds": lease_seconds}
         self._lease_seconds = lease_seconds
         self.max_in_flight = max_in_flight
-        self.idle_timeout = idle_timeout
+        self.idle_timeout = check_wait(idle_timeout, "idle_timeout")
         self.version = store.get_version(self.table)
         self.global_batch = 0
         self._index = 0
@@ -235,7 +237,9 @@ class Subscription:
         return batch
 
     def next(self, timeout: float | None = None) -> MicroBatch | None:
-        """The next micro-batch, waiting up to ``timeout`` seconds (None: forever)."""
+        """The next micro-batch, waiting up to ``timeout`` seconds (None: forever; 0: only one
+        ready now); None when none came."""
+        timeout = check_wait(timeout, "next")
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._closed:
             if self._paused:

@@ -38,7 +38,7 @@ from store.types import one_array, parse_type
 from store.subscription import rows_of_all
 
 from .. import wire
-from ..client import SESSION_PUT_BYTES, RemoteStore
+from ..client import CALL_DEFAULT, SESSION_PUT_BYTES, RemoteStore
 from ..wire.errors import from_flight
 from ..session_client import Answer
 from ..subscriber import RemoteSubscription
@@ -176,9 +176,11 @@ class ClusterStore(RemoteStore):
         return local[0] if local else self._rng.choice(alive)
 
     # -- writes ----------------------------------------------------------------------------------
-    def put(self, table: str, data: Any, *, timeout: float | None = -1.0) -> dict[str, Any]:
+    def put(self, table: str, data: Any, *,
+            timeout: float | None = CALL_DEFAULT) -> dict[str, Any]:
+        seconds = self.call_timeout(timeout, "put")   # refused before values go anywhere
         arrow = self._with_locations(table, self._arrow(table, data))
-        return super().put(table, arrow, timeout=timeout)
+        return super().put(table, arrow, timeout=seconds)
 
     def put_async(self, table: str, data: Any) -> Future:
         """:meth:`put` without waiting: the values go to a data node on one of this client's

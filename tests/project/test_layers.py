@@ -36,6 +36,7 @@ STORE_LAYERS = {
     "store.blob_writes": MODEL,
     "store.prepare": MODEL, "store.deadlines": MODEL, "store.table_memo": MODEL,
     "store.halves": MODEL, "store.host_arrays": MODEL,
+    "store.waits": MODEL,
     # DuckDB and storage helpers: opening a database, Arrow sources, the SQL guard and the query
     # views, the put log's format, storage faults; claim requests and the Store protocol sit
     # here because a request's predicate is checked by the SQL guard, which parses with DuckDB

@@ -383,6 +383,12 @@ def test_bad_input_is_refused_with_the_value_named(cluster):
         w.write_batch(pa.record_batch({"v": ["x"]}))
         w.close()
     assert row_keys("dn-0@0:0:1", 2).to_pylist() == ["dn-0@0:0:1/0", "dn-0@0:0:1/1"]
+    with client(cluster, 0) as s:
+        make_table(s)
+        with pytest.raises(InvalidArgument, match="put timeout -1 is invalid"):
+            s.put("t", rows("a", 1), timeout=-1)          # the rule of every store's waits
+        assert cluster.received() == [0, 0, 0]            # refused before values went anywhere
+        assert s.stats("t")["t"]["rows"] == 0
 
 
 def test_a_rows_columns_written_on_different_machines_come_back_together(cluster):
