@@ -183,26 +183,27 @@ class ClaimEngine:
         finally:
             self._readers.release_query_slot()
 
-    def rows_matching(self, table: str, where: str, row_ids: list[int]) -> set[int]:
+    def rows_matching(self, table: str, where: str, row_ids: list[int],
+                      what: str = "predicate") -> set[int]:
         """Which of ``row_ids`` (rows of ``table`` in any state) satisfy ``where``, checked and
         run as a claim's predicate is (one query slot, the query time limit; by-reference
         values seen): ``requeue`` picks the dead rows it brings back so. With no rows the
         predicate is still bound: one naming an unknown column fails.
 
         Raises:
-            QueryRefused, QueryTimeout: naming the predicate.
+            QueryRefused, QueryTimeout: naming the predicate as ``what`` it is.
         """
         live = self._index.live_table(table)
         limit = self._settings.query_timeout
-        deadline = self._readers.take_query_slot(limit, f"predicate {where[:200]!r}")
+        deadline = self._readers.take_query_slot(limit, f"{what} {where[:200]!r}")
         try:
             return self._matching(live, predicate_query(live.tdef.name, where), where, row_ids,
-                                  limit, deadline)
+                                  limit, deadline, what)
         finally:
             self._readers.release_query_slot()
 
     def _matching(self, live: LiveTable, sql: str, where: str, row_ids: list[int],
-                  limit: float, deadline: float) -> set[int]:
+                  limit: float, deadline: float, what: str = "claim predicate") -> set[int]:
         """Which candidate rows satisfy a claim predicate (``sql``: its checked query).
 
         With no candidates the query still runs (DuckDB binds it, reads nothing) until it has
@@ -215,10 +216,10 @@ class ClaimEngine:
         except QueryBusy:
             raise
         except QueryTimeout as e:
-            raise QueryTimeout(f"claim predicate {where[:200]!r} ran past the query time limit "
+            raise QueryTimeout(f"{what} {where[:200]!r} ran past the query time limit "
                                f"of {limit} s and was cancelled") from e
         except QueryRefused as e:
-            raise QueryRefused(f"claim predicate {where[:200]!r} failed: {e}") from e
+            raise QueryRefused(f"{what} {where[:200]!r} failed: {e}") from e
         if not row_ids:
             if len(self._bound) >= MAX_BOUND_PREDICATES:
                 self._bound.clear()

@@ -625,11 +625,12 @@ class EmbeddedStore:
         self._writer.call(FlushOp())
         candidates = dead_row_ids(self._readers.cursor(), table)
         if where is not None:
-            matched = self._claims.rows_matching(table, where, candidates)
+            matched = self._claims.rows_matching(table, where, candidates, "requeue where")
             candidates = [r for r in candidates if r in matched]
         lost: set[int] = set()
         if values_lost is not None and candidates:
-            lost = self._claims.rows_matching(table, values_lost, candidates)
+            lost = self._claims.rows_matching(table, values_lost, candidates,
+                                              "the predicate of rows whose values are lost")
             candidates = [r for r in candidates if r not in lost]
         return self._writer.call(requeue_op(self._index, live, candidates, len(lost)))
 

@@ -99,7 +99,7 @@ def test_a_requeued_row_missing_a_required_value_is_pending_until_it_is_written(
 def test_requeue_refuses_a_bad_predicate_and_an_unknown_table(open_store):
     s = open_store()
     _dead_table(s, n=1)
-    with pytest.raises(QueryRefused, match="no_such_column"):
+    with pytest.raises(QueryRefused, match="requeue where 'no_such_column > 1' failed"):
         s.requeue("t", where="no_such_column > 1")
     with pytest.raises(QueryRefused, match="LIMIT"):
         s.requeue("t", where="true) LIMIT (1")
