@@ -621,8 +621,9 @@ class EmbeddedStore:
         if where is not None:
             predicate_query(table, where)      # a malformed predicate: refused before any work
         # Rows dead-lettered by an expired lease are counted dead (stats) before their flags
-        # are written: written first, so that they are found below.
-        self._writer.call(FlushOp())
+        # are written (lease bookkeeping waits until it is due): written first, so that they
+        # are found below.
+        self._writer.call(FlushOp(leases=True))
         candidates = dead_row_ids(self._readers.cursor(), table)
         if where is not None:
             matched = self._claims.rows_matching(table, where, candidates, "requeue where")

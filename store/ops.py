@@ -77,7 +77,11 @@ class BumpOp(Op):
 
 @dataclass
 class FlushOp(Op):
-    """Nothing but a DuckDB transaction: it inserts the rows waiting in the put log."""
+    """Nothing but a DuckDB transaction: it inserts the rows waiting in the put log; with
+    ``leases``, it also writes the lease bookkeeping waiting, due or not (``requeue`` must find
+    in DuckDB the rows that expired leases made dead)."""
+
+    leases: bool = False
 
 
 @dataclass

@@ -256,7 +256,8 @@ class Writer:
             # ack supersedes their bookkeeping, which is then never written at all. A close
             # writes what is pending: after a restart, an ack of a claim made before it is told
             # that the restart voided the lease, not that the claim is unknown.
-            leases = stop or self._flush_due is None or time.monotonic() >= self._flush_due
+            leases = stop or self._flush_due is None or time.monotonic() >= self._flush_due \
+                or any(isinstance(op, FlushOp) and op.leases for op in ops)
             if leases:
                 self._flush_due = None
             if ops or (leases and self._index.has_pending_row_updates()):

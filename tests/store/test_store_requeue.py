@@ -147,3 +147,19 @@ def test_every_store_requeues_dead_rows_and_refuses_bad_requests_alike(any_store
     with pytest.raises(NotFound, match="'nope'"):
         s.requeue("nope")
     assert s.stats("t")["t"]["dead"] == 1
+
+
+def test_rows_an_expired_lease_made_dead_are_requeued_before_their_flags_are_due(
+        slow_inserts, wait_until):
+    """An expired lease's rows are dead at once (stats counts them) while their flags wait,
+    like all lease bookkeeping, for the next flush (here never due by itself): requeue writes
+    them first, and finds the rows."""
+    s = slow_inserts()
+    s.create_table("t", {"reward": "float64"}, max_deliveries=1)
+    s.put("t", {"sample_id": ["q0_0_0", "q1_0_0"], "reward": [0.0, 1.0]})
+    s.claim("t", 2, lease_seconds=0.05)
+    wait_until(lambda: s.stats("t")["t"]["dead"] == 2, timeout=30,
+               message="the lease expired and its rows were dead-lettered")
+    assert s.requeue("t")["requeued"] == 2
+    assert _states(s) == (2, 0, 0)
+    assert s.claim("t", 8).data.column("delivery_count").to_pylist() == [1, 1]
