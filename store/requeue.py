@@ -15,7 +15,8 @@ Two kinds of dead rows stay dead, each counted in the answer:
   only): it could never be delivered whole (``skipped_lost``).
 
 The change goes through the writer like any other: durable on return, so after a restart (or a
-``kill -9``) the rows are live, as DuckDB says.
+``kill -9``) the rows are live, as DuckDB says. Like a put, it is refused (``TableFull``,
+nothing requeued) where it would take the table past the store's ``max_live_rows``.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Any
 
 import duckdb
 
+from .errors import TableFull
 from .index import StoreIndex
 from .live import LiveTable, Row
 from .naming import quote
@@ -89,6 +91,13 @@ def requeue_op(index: StoreIndex, live: LiveTable, row_ids: list[int],
             raise index.no_table(name)  # dropped since
         rows, below = requeue_rows(con, live.tdef, row_ids,
                                    index.version_of(live) - live.tdef.max_staleness)
+        limit = index.settings.max_live_rows
+        if limit is not None and rows and len(live.rows) + len(rows) > limit:
+            # (raised in the transaction: it rolls back, nothing is requeued)
+            raise TableFull(
+                f"requeue of {len(rows):,} dead rows would take table {name!r}, holding "
+                f"{len(live.rows):,} live rows, past the store's max_live_rows of {limit:,}; "
+                "requeue fewer at a time (where=…), or once consumers have acked rows")
         revived[:] = rows
         return {"table": name, "requeued": len(rows), "skipped_stale": below,
                 "skipped_lost": skipped_lost}

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from store.errors import NotFound, QueryRefused
+from store.errors import NotFound, QueryRefused, TableFull
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -163,3 +163,14 @@ def test_rows_an_expired_lease_made_dead_are_requeued_before_their_flags_are_due
     assert s.requeue("t")["requeued"] == 2
     assert _states(s) == (2, 0, 0)
     assert s.claim("t", 8).data.column("delivery_count").to_pylist() == [1, 1]
+
+
+def test_requeue_is_refused_past_max_live_rows_as_a_put_is(open_store):
+    s = open_store(max_live_rows=4)
+    _dead_table(s)                                    # 4 dead rows, none live
+    s.put("t", {"sample_id": ["n0_0_0", "n1_0_0"], "text": ["a", "b"], "reward": [0.0, 0.0]})
+    with pytest.raises(TableFull, match="max_live_rows of 4"):
+        s.requeue("t")                                # 2 live + 4 > 4
+    assert _states(s) == (2, 4, 0)                    # nothing requeued
+    assert s.requeue("t", where="reward < 2")["requeued"] == 2
+    assert _states(s) == (4, 2, 0)
