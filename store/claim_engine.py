@@ -174,17 +174,10 @@ class ClaimEngine:
         Raises:
             QueryRefused: naming the predicate and DuckDB's reason.
         """
-        live = self._index.live_table(table)
-        limit = self._settings.query_timeout
-        deadline = self._readers.take_query_slot(limit, f"claim predicate {where[:200]!r}")
-        try:
-            self._matching(live, predicate_query(live.tdef.name, where), where, [], limit,
-                           deadline)
-        finally:
-            self._readers.release_query_slot()
+        self.rows_matching(table, where, [], "claim predicate")
 
     def rows_matching(self, table: str, where: str, row_ids: list[int],
-                      what: str = "predicate") -> set[int]:
+                      what: str) -> set[int]:
         """Which of ``row_ids`` (rows of ``table`` in any state) satisfy ``where``, checked and
         run as a claim's predicate is (one query slot, the query time limit; by-reference
         values seen): ``requeue`` picks the dead rows it brings back so. With no rows the
