@@ -61,8 +61,7 @@ def requeue_rows(con: duckdb.DuckDBPyConnection, tdef: TableDef, row_ids: list[i
     with row_source(con, "_expstore_requeue", ids) as (source, params):
         below = con.execute(
             f"SELECT count(*) FROM {name} WHERE row_id IN (SELECT row_id FROM {source}) "
-            f"AND {DEAD} AND policy_version < ?", [*params, bound]).fetchall()
-    with row_source(con, "_expstore_requeue", ids) as (source, params):
+            f"AND {DEAD} AND policy_version < ?", [*params, bound]).fetchall()[0][0]
         revived = con.execute(
             f"UPDATE {name} SET dead = false, is_processing = false, delivery_count = 0, "
             "lease_expires_at = NULL, updated_at = now() "
@@ -74,7 +73,7 @@ def requeue_rows(con: duckdb.DuckDBPyConnection, tdef: TableDef, row_ids: list[i
         rid, sid, version, input_id, turn, traj = rec[:6]
         mask = sum(1 << i for i, done in enumerate(rec[6:]) if done)
         rows.append(Row(int(rid), sid, int(version), input_id, int(turn), int(traj), mask))
-    return rows, int(below[0][0]) if below else 0
+    return rows, int(below)
 
 
 def requeue_op(index: StoreIndex, live: LiveTable, row_ids: list[int],
