@@ -145,9 +145,6 @@ def _view(values: pa.Array | pa.ChunkedArray, t: pa.DataType) -> pa.Array | pa.C
 def widened_from_stored(values: pa.Array | pa.ChunkedArray,
                         target: pa.DataType) -> pa.Array | pa.ChunkedArray:
     """What SQL sees of stored patterns of ``target``'s values: the values as float32."""
-    if isinstance(values, pa.ChunkedArray):
-        return pa.chunked_array([widened(from_stored(c, target)) for c in values.chunks],
-                                widened_type(target))
     return widened(from_stored(values, target))
 
 
@@ -225,9 +222,14 @@ def _widen_leaf(values: pa.Array) -> pa.Array:
     if values.type == FLOAT16:
         return values.cast(pa.float32())
     if is_bfloat16(values.type):
-        wide = (_bits(values, np.uint16).astype(np.uint32) << 16).view(np.float32)
-        return _with_nulls_of(values, wide, pa.float32())
+        return _with_nulls_of(values, _bfloat16_as_float32(_bits(values, np.uint16)),
+                              pa.float32())
     return values
+
+
+def _bfloat16_as_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 patterns as the float32 values they are (exact: the upper half of a float32)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 # -- from floats ------------------------------------------------------------------------------
@@ -244,7 +246,7 @@ def bfloat16_bits(values: np.ndarray) -> np.ndarray:
 
 def bfloat16_floats(values: pa.Array) -> np.ndarray:
     """A flat bfloat16 array's values as float32 (exact), nulls as NaN."""
-    wide = (_bits(values, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    wide = _bfloat16_as_float32(_bits(values, np.uint16))
     if values.null_count:
         wide = np.where(values.is_null().to_numpy(zero_copy_only=False), np.nan, wide)
     return wide
@@ -277,7 +279,7 @@ def rounded(values: pa.Array, target: pa.DataType) -> pa.Array:
                 out = pa.array(narrow, FLOAT16, mask=mask)
             else:
                 bits = bfloat16_bits(wide.astype(np.float32))
-                back = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+                back = _bfloat16_as_float32(bits).astype(np.float64)
                 out = pa.array(bits, pa.uint16(), mask=mask)
         over = np.isfinite(wide) & ~np.isfinite(back)
         if mask is not None:
