@@ -262,10 +262,10 @@ def with_values(blobs: BlobStore, table: pa.Table, tdef: TableDef) -> pa.Table:
             target = c.type if half else table.schema.field(at).type
             values = blobs.resolve_keys(keys, target) if keys.null_count == 0 else None
             if values is None:
-                resolved = widened(blobs.resolve(keys.to_pylist(), target))
-                values = resolved if keys.null_count == 0 else \
-                    pc.if_else(pc.is_valid(keys), resolved, inline)
+                values = blobs.resolve(keys.to_pylist(), target)
             values = widened(values)
+            if keys.null_count:
+                values = pc.if_else(pc.is_valid(keys), values, inline)
         table = table.set_column(at, table.schema.field(at).with_type(values.type), values)
     return table
 
