@@ -132,9 +132,7 @@ def _columns_to_arrays(tdef: TableDef, cols: Mapping[str, Any]) -> dict[str, pa.
         try:
             assert target is not None
             if is_tensor(target):
-                out[name] = tensors.to_arrow(
-                    [v if v is None or is_host_array(v) else np.asarray(v) for v in values],
-                    dtype=target.field(1).type.value_type)
+                out[name] = tensors.to_arrow(list(values), dtype=target.field(1).type.value_type)
             elif is_host_array(values) and (has_half(target) or is_torch(values)):
                 out[name] = _converted(name, _column_array(name, values, target), target)
             else:

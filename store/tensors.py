@@ -27,8 +27,8 @@ def to_arrow(arrays: Sequence[Any], dtype: str | np.dtype | pa.DataType | None =
         dtype: the element type, as numpy or Arrow spells it (bfloat16:
             :data:`store.halves.BFLOAT16`); default the first array's.
     """
-    flats = [None if a is None else flat_arrow(a if is_host_array(a) else np.asarray(a))
-             for a in arrays]
+    hosts = [a if a is None or is_host_array(a) else np.asarray(a) for a in arrays]
+    flats = [None if a is None else flat_arrow(a) for a in hosts]
     present = [f for f in flats if f is not None]
     if isinstance(dtype, pa.DataType):
         element = dtype
@@ -39,14 +39,14 @@ def to_arrow(arrays: Sequence[Any], dtype: str | np.dtype | pa.DataType | None =
     shapes: list[list[int] | None] = []
     datas: list[pa.Array] = []
     offsets = [0]
-    for a, flat in zip(arrays, flats):
+    for a, flat in zip(hosts, flats):
         if a is None or flat is None:
             shapes.append(None)
         else:
-            shapes.append(shape_of(a if is_host_array(a) else np.asarray(a)))
+            shapes.append(shape_of(a))
             datas.append(_elements(a, flat, element))
         offsets.append(offsets[-1] + (len(datas[-1]) if a is not None else 0))
-    nulls = np.array([a is None for a in arrays], bool)
+    nulls = np.array([a is None for a in hosts], bool)
     mask = pa.array(nulls) if nulls.any() else None
     values = pa.concat_arrays(datas) if datas else pa.array([], element)
     data = pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), values, mask=mask)

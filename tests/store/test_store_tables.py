@@ -117,6 +117,12 @@ def test_tensor_dtypes_and_shapes(any_store):
             np.testing.assert_array_equal(g, e)
 
 
+def test_tensor_of_python_lists_that_does_not_fit_its_dtype_is_named():
+    # (Python lists are converted to numpy once: the error names their dtype)
+    with pytest.raises(ValueError, match="a tensor of float64 does not convert to int32"):
+        tensors.to_arrow([[1.5, 2.0]], dtype="int32")
+
+
 def test_pyarrow_types_are_accepted(any_store):
     s = any_store
     d = s.create_table("pa_types", {"a": pa.int16(), "b": pa.list_(pa.float32()),
