@@ -156,7 +156,7 @@ def _column_array(name: str, values: Any, target: pa.DataType) -> pa.Array:
     """A whole column given as one numpy array or torch tensor: one dimension for a column of
     numbers, two (a row each) for a list column."""
     dims = len(values.shape)
-    if dims == 1 and not (pa.types.is_large_list(target) or is_tensor(target)):
+    if dims == 1 and not pa.types.is_large_list(target):
         return flat_arrow(values)
     if dims == 2 and pa.types.is_large_list(target):
         return list_rows(list(values))
