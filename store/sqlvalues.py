@@ -35,7 +35,7 @@ import itertools
 import re
 import threading
 import uuid
-from typing import Iterable
+from typing import Callable, Iterable
 
 import duckdb
 import pyarrow as pa
@@ -62,7 +62,7 @@ class ValueCursor:
         self.database = database
         self.seen_ddl = -1                      # the catalog change its views were made for
         self.views: dict[str, str] = {}         # table -> the view's SELECT
-        self.resolvers: dict[str, str] = {}     # value type's name -> function name
+        self.resolvers: dict[str, str] = {}     # its kind (see ValueViews._function) -> name
         self.errors: list[StorageError] = []    # blob errors of the query running on it
         # table -> the relation reading it whole as stored (see stored_relation)
         self.relations: dict[str, duckdb.DuckDBPyRelation] = {}
@@ -136,31 +136,15 @@ class ValueViews:
     def _widener(self, vc: ValueCursor, value_type: pa.DataType) -> str:
         """The name of ``vc``'s function turning stored half-precision patterns of
         ``value_type`` into FLOAT values (:func:`store.halves.widened_from_stored`)."""
-        kind = f"widen {type_name(value_type)}"
-        name = vc.resolvers.get(kind)
-        if name is None:
-            with self._lock:
-                name = f"{INTERNAL_FUNCTION_PREFIX}value_{self._token}_{next(self._serial)}"
 
-            def widen(values: pa.Array) -> pa.Array:
-                return widened_from_stored(values, value_type)
+        def widen(values: pa.Array) -> pa.Array:
+            return widened_from_stored(values, value_type)
 
-            vc.cursor.create_function(name, widen, [duckdb_type(value_type)],
-                                      duckdb_type(widened_type(value_type)),
-                                      type=PythonUDFType.ARROW)
-            vc.resolvers[kind] = name
-        return name
+        return self._function(vc, f"widen {type_name(value_type)}", widen,
+                              duckdb_type(value_type), duckdb_type(widened_type(value_type)))
 
     def _resolver(self, vc: ValueCursor, value_type: pa.DataType) -> str:
         """The name of ``vc``'s resolver for values of ``value_type``, registered on first use."""
-        sql_type = duckdb_type(widened_type(value_type))
-        # by value type: float16 and bfloat16 values are both FLOAT in SQL, read apart
-        kind = type_name(value_type)
-        name = vc.resolvers.get(kind)
-        if name is not None:
-            return name
-        with self._lock:
-            name = f"{INTERNAL_FUNCTION_PREFIX}value_{self._token}_{next(self._serial)}"
         blobs, errors = self._blobs, vc.errors
 
         def resolve(keys: pa.Array) -> pa.Array:
@@ -170,8 +154,20 @@ class ValueViews:
                 errors.append(e)
                 raise
 
-        vc.cursor.create_function(name, resolve, ["VARCHAR"], sql_type, type=PythonUDFType.ARROW)
-        vc.resolvers[kind] = name
+        # by value type: float16 and bfloat16 values are both FLOAT in SQL, read apart
+        return self._function(vc, type_name(value_type), resolve, "VARCHAR",
+                              duckdb_type(widened_type(value_type)))
+
+    def _function(self, vc: ValueCursor, kind: str, fn: Callable[[pa.Array], pa.Array],
+                  param: str, returns: str) -> str:
+        """The name of ``vc``'s function ``kind`` (``fn`` of one ``param``), registered on
+        first use."""
+        name = vc.resolvers.get(kind)
+        if name is None:
+            with self._lock:
+                name = f"{INTERNAL_FUNCTION_PREFIX}value_{self._token}_{next(self._serial)}"
+            vc.cursor.create_function(name, fn, [param], returns, type=PythonUDFType.ARROW)
+            vc.resolvers[kind] = name
         return name
 
 
