@@ -8,9 +8,12 @@ client fetches the values from the data nodes that hold them, in parallel, its o
 replica first, and hands the rows on with the values in place: the same Arrow tables (and torch
 tensors) as from a single server.
 
-If a data node cannot be reached, the claim is given back (nacked) and the node reported to the
-coordinator, which dead-letters the rows whose values nobody else holds; the client claims again.
-Rows are never handed on with some values missing.
+The list of data nodes is cached for ``DIRECTORY_SECONDS``. When values are on nodes that list
+calls lost, or a node cannot be reached, the client asks the coordinator for the list again, and
+fetches again if the answer differs for those nodes (one registered again, or at a new location):
+a stale list costs no delivery. Otherwise the claim is given back (nacked) and the node reported
+to the coordinator, which dead-letters the rows whose values nobody else holds; the client claims
+again. Rows are never handed on with some values missing.
 
 >>> s = store.connect("grpc://127.0.0.1:8815")          # doctest: +SKIP
 >>> s.put("solver", {"sample_id": ["q_0_0"], "response": ["..."]})   # doctest: +SKIP
@@ -340,13 +343,31 @@ class ClusterStore(RemoteStore):
         fetched in parallel, each from a holder on this machine where there is one.
 
         Raises:
-            LostValues: some value is on no reachable node (nothing is returned half).
+            LostValues: some value is on no reachable node, also by the coordinator's
+                directory asked again (nothing is returned half).
         """
         remote = self._remote_columns(table)
         columns = [c for c in data.column_names if c in remote]
         if not columns or data.num_rows == 0:
             return data
         nodes = self._nodes()
+        try:
+            return self._resolve(data, columns, remote, nodes)
+        except LostValues as e:
+            # The directory is up to DIRECTORY_SECONDS old: a node it calls lost may have
+            # registered again since, or moved to a new location. Giving the claim back for a
+            # stale view would cost each row a delivery, so ask once more and fetch again, but
+            # only where the answer differs for those nodes: a node that is gone does not make
+            # the caller wait for a second timeout.
+            fresh = {n["node_id"]: n for n in self.cluster(refresh=True)["nodes"]}
+            if all(_reachable_as(nodes.get(n)) == _reachable_as(fresh.get(n))
+                   for n in e.nodes):
+                raise
+            return self._resolve(data, columns, remote, fresh)
+
+    def _resolve(self, data: pa.Table, columns: list[str], remote: dict[str, str],
+                 nodes: dict[str, dict[str, Any]]) -> pa.Table:
+        """:meth:`resolve` with the data nodes as ``nodes`` (node id → directory entry)."""
         plans = {c: self._plan(one_array(data.column(c)), nodes) for c in columns}
         # One request per node for all the columns it serves: the node's rows, and per column
         # the key of each row (None where that value comes from another node, or is null).
@@ -480,6 +501,11 @@ class ClusterSubscription(RemoteSubscription):
                 self._cluster.cluster(refresh=True)
         raise Unavailable(f"micro-batches kept finding values on unreachable data nodes after "
                           f"{LOST_RETRIES} tries")
+
+
+def _reachable_as(node: dict[str, Any] | None) -> tuple[bool, str] | None:
+    """What of a directory entry decides whether and where a node's values are fetched."""
+    return None if node is None else (node["alive"], node["location"])
 
 
 def _scatter(pieces: list[pa.Array], positions: list[np.ndarray], n: int,

@@ -332,6 +332,68 @@ def test_requeue_on_a_coordinator_leaves_dead_the_rows_whose_values_are_lost(clu
             sorted(rows("lost", 3)["response"])
 
 
+def _directory(s: ClusterStore, refresh: bool = False) -> dict[str, dict[str, Any]]:
+    """The client's view of the data nodes (node id → its entry), cached unless ``refresh``."""
+    return {n["node_id"]: n for n in s.cluster(refresh=refresh)["nodes"]}
+
+
+def test_a_claim_while_the_directory_still_says_a_returned_node_is_lost_costs_no_delivery(
+        cluster):
+    """The client caches the coordinator's list of data nodes for a few seconds. A claim made
+    while that list still calls a node lost that has registered again asks the coordinator
+    again and fetches from the node: its rows are not given back (with one delivery allowed,
+    a nack would dead-letter them)."""
+    with client(cluster, 1) as lost_side, client(cluster, 0) as trainer:
+        make_table(lost_side, max_deliveries=1)
+        lost_side.put("t", rows("a", 4))
+        cluster.nodes[1].close()
+        assert trainer.call_action("report_lost", {"node_id": "dn-1"})["dead_lettered"] == 4
+        assert not _directory(trainer, refresh=True)["dn-1"]["alive"]
+        cluster.nodes[1] = cluster.start_node(1)          # its disk came back
+        wait_until(lambda: "dn-1" not in cluster.coordinator.registry.lost, timeout=10,
+                   message="dn-1 registered again")
+        assert trainer.requeue("t")["requeued"] == 4
+        assert not _directory(trainer)["dn-1"]["alive"], \
+            "the client's directory was refreshed before the claim: nothing stale to test"
+        claim = trainer.claim("t", 4)
+        got = claim.tables["t"]
+        assert got.num_rows == 4, "the claim was given back (and, at one delivery, dead)"
+        assert sorted(got.column("response").to_pylist()) == sorted(rows("a", 4)["response"])
+        assert got.column("delivery_count").to_pylist() == [1] * 4    # claimed once
+        trainer.ack(claim.claim_id)
+        assert trainer.stats("t")["t"]["dead"] == 0
+
+
+def test_a_claim_while_the_directory_still_has_a_nodes_old_location_costs_no_delivery(
+        tmp_path):
+    """A data node restarted on a new port before the coordinator missed it: the client's
+    cached list still has the old location, where the fetch fails; the client asks the
+    coordinator again and fetches from the new one, without giving the rows back."""
+    c = Cluster(tmp_path, node_timeout=60)        # (never found silent in this test)
+    try:
+        with client(c, 1) as producer, client(c, 0) as trainer:
+            make_table(producer, max_deliveries=1)
+            producer.put("t", rows("a", 4))
+            old = _directory(trainer, refresh=True)["dn-1"]["location"]
+            c.nodes[1].close()
+            c.nodes[1] = c.start_node(1)               # the same disk, a new port
+            assert c.nodes[1].location != old
+            wait_until(lambda: c.coordinator.registry.nodes["dn-1"]["location"]
+                       == c.nodes[1].location, timeout=10, message="dn-1 registered again")
+            assert _directory(trainer)["dn-1"]["location"] == old, \
+                "the client's directory was refreshed before the claim: nothing stale to test"
+            claim = trainer.claim("t", 4)
+            got = claim.tables["t"]
+            assert got.num_rows == 4, "the claim was given back (and, at one delivery, dead)"
+            assert sorted(got.column("response").to_pylist()) == \
+                sorted(rows("a", 4)["response"])
+            assert got.column("delivery_count").to_pylist() == [1] * 4
+            trainer.ack(claim.claim_id)
+            assert trainer.stats("t")["t"]["dead"] == 0
+    finally:
+        c.close()
+
+
 def test_the_coordinator_finds_a_silent_node_lost_without_any_client(cluster):
     with client(cluster, 1) as producer:
         make_table(producer)
