@@ -8,7 +8,9 @@ them bit-exact:
   (``expstore.bfloat16``) over ``uint16``, each value its 16-bit pattern. The extension name
   travels in the schema (Arrow IPC, Flight), so a reader that has not registered the type still
   gets the patterns and the name (field metadata ``ARROW:extension:name``); torch reads them
-  with ``.view(torch.bfloat16)``, without a copy (:mod:`consumers.torch_collate`).
+  with ``.view(torch.bfloat16)``, without a copy (:mod:`consumers.torch_collate`). A bfloat16
+  value as Python sees it (``as_py()``, ``to_pylist()``) is a float; ``to_numpy()`` gives the
+  patterns (numpy has no bfloat16).
 
 DuckDB has neither type, and its storage does not keep a float's NaN sign and payload (a
 FLOAT NaN read back from its file is the canonical one). Columns of them therefore hold the
@@ -48,6 +50,20 @@ class BFloat16Type(pa.ExtensionType):
 
     def __hash__(self) -> int:  # (types are dictionary keys and set members)
         return hash(self.extension_name)
+
+    def __arrow_ext_scalar_class__(self) -> type:
+        return BFloat16Scalar
+
+
+class BFloat16Scalar(pa.ExtensionScalar):
+    """One bfloat16 value: ``as_py()`` (and so ``to_pylist()`` of arrays, lists and tables
+    holding them) gives the number as a Python float (exact), not its 16-bit pattern."""
+
+    def as_py(self, **kwargs: object) -> float | None:
+        bits = self.value
+        if bits is None:
+            return None
+        return float(_bfloat16_as_float32(np.array([bits.as_py()], np.uint16))[0])
 
 
 BFLOAT16 = BFloat16Type()

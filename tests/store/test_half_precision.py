@@ -76,6 +76,22 @@ def test_values_round_trip_bit_exact(any_store):
     assert data.column("tb").combine_chunks().field("shape")[0].as_py() == [4, 3]
 
 
+def test_python_sees_bfloat16_values_as_floats(any_store):
+    """as_py / to_pylist give the numbers (not their 16-bit patterns), through lists and
+    tensors; NaN stays NaN, null stays None."""
+    any_store.create_table("t", {"b": "bfloat16", "lb": "list<bfloat16>",
+                                 "tb": "tensor<bfloat16>"}, required=[])
+    bf = _bf16(np.array([0x3F80, 0xC0A0, 0x7FC1], np.uint16))      # 1.0, -5.0, a NaN
+    any_store.put("t", [{"sample_id": "a_0_0", "b": 999424.0, "lb": bf, "tb": bf.reshape(3, 1)},
+                        {"sample_id": "a_0_1", "b": None, "lb": None, "tb": None}])
+    rows = sorted(any_store.claim("t", 2).data.select(["sample_id", "b", "lb", "tb"]).to_pylist(),
+                  key=lambda r: r["sample_id"])
+    assert rows[0]["b"] == 999424.0 and isinstance(rows[0]["b"], float)
+    assert rows[0]["lb"][:2] == [1.0, -5.0] and np.isnan(rows[0]["lb"][2])
+    assert rows[0]["tb"]["shape"] == [3, 1] and rows[0]["tb"]["data"][:2] == [1.0, -5.0]
+    assert rows[1] == {"sample_id": "a_0_1", "b": None, "lb": None, "tb": None}
+
+
 def test_arrow_input_updates_and_values_read_back_after_reopen(open_store, db_path):
     """Arrow halffloat and bfloat16 arrays go in as they are, a later write of one column
     updates the row; a reopened store's claims read the values from DuckDB and the blob files
