@@ -9,8 +9,9 @@ them bit-exact:
   travels in the schema (Arrow IPC, Flight), so a reader that has not registered the type still
   gets the patterns and the name (field metadata ``ARROW:extension:name``); torch reads them
   with ``.view(torch.bfloat16)``, without a copy (:mod:`consumers.torch_collate`). A bfloat16
-  value as Python sees it (``as_py()``, ``to_pylist()``) is a float; ``to_numpy()`` gives the
-  patterns (numpy has no bfloat16).
+  value as Python sees it (``as_py()``, ``to_pylist()``) and a bfloat16 column in pandas
+  (``to_pandas()``) are floats; ``to_numpy()`` gives the patterns (numpy has no bfloat16), and
+  so does pandas for lists and tensors of them (:func:`widened` makes them float32 first).
 
 DuckDB has neither type, and its storage does not keep a float's NaN sign and payload (a
 FLOAT NaN read back from its file is the canonical one). Columns of them therefore hold the
@@ -53,6 +54,19 @@ class BFloat16Type(pa.ExtensionType):
 
     def __arrow_ext_scalar_class__(self) -> type:
         return BFloat16Scalar
+
+    def to_pandas_dtype(self) -> object:
+        """pandas' nullable ``Float32``, filled with the values (not their patterns) when a
+        bfloat16 column reaches pandas (``to_pandas()``). Lists and tensors of bfloat16 reach
+        pandas through Arrow's own conversion, as patterns: widen them first
+        (:func:`widened`)."""
+        import pandas as pd  # only for a caller converting to pandas
+
+        class BFloat16AsFloat32(pd.Float32Dtype):
+            def __from_arrow__(self, array: pa.Array | pa.ChunkedArray) -> object:
+                return pd.Float32Dtype().__from_arrow__(widened(array))
+
+        return BFloat16AsFloat32()
 
 
 class BFloat16Scalar(pa.ExtensionScalar):

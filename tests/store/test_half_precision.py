@@ -12,7 +12,7 @@ import torch
 
 import store
 from store.errors import InvalidArgument
-from store.halves import BFLOAT16
+from store.halves import BFLOAT16, widened
 
 # Patterns worth keeping exact: signalling and quiet NaNs with payloads (both signs), the
 # infinities, the smallest subnormals, -0, 1, the largest finite value.
@@ -78,18 +78,24 @@ def test_values_round_trip_bit_exact(any_store):
 
 def test_python_sees_bfloat16_values_as_floats(any_store):
     """as_py / to_pylist give the numbers (not their 16-bit patterns), through lists and
-    tensors; NaN stays NaN, null stays None."""
+    tensors (NaN stays NaN, null stays None); to_pandas gives them as Float32."""
     any_store.create_table("t", {"b": "bfloat16", "lb": "list<bfloat16>",
                                  "tb": "tensor<bfloat16>"}, required=[])
     bf = _bf16(np.array([0x3F80, 0xC0A0, 0x7FC1], np.uint16))      # 1.0, -5.0, a NaN
     any_store.put("t", [{"sample_id": "a_0_0", "b": 999424.0, "lb": bf, "tb": bf.reshape(3, 1)},
                         {"sample_id": "a_0_1", "b": None, "lb": None, "tb": None}])
-    rows = sorted(any_store.claim("t", 2).data.select(["sample_id", "b", "lb", "tb"]).to_pylist(),
+    data = any_store.claim("t", 2).data
+    rows = sorted(data.select(["sample_id", "b", "lb", "tb"]).to_pylist(),
                   key=lambda r: r["sample_id"])
     assert rows[0]["b"] == 999424.0 and isinstance(rows[0]["b"], float)
     assert rows[0]["lb"][:2] == [1.0, -5.0] and np.isnan(rows[0]["lb"][2])
     assert rows[0]["tb"]["shape"] == [3, 1] and rows[0]["tb"]["data"][:2] == [1.0, -5.0]
     assert rows[1] == {"sample_id": "a_0_1", "b": None, "lb": None, "tb": None}
+    frame = data.to_pandas()
+    assert str(frame["b"].dtype) == "Float32"
+    assert sorted(frame["b"].dropna().tolist()) == [999424.0]
+    as_floats = pa.table({"lb": widened(data.column("lb"))}).to_pandas()
+    assert [list(v[:2]) for v in as_floats["lb"] if v is not None] == [[1.0, -5.0]]
 
 
 def test_arrow_input_updates_and_values_read_back_after_reopen(open_store, db_path):
@@ -216,7 +222,7 @@ import sys
 import numpy as np
 import pyarrow as pa
 import store
-from store.halves import BFLOAT16
+from store.halves import BFLOAT16, widened
 s = store.connect(sys.argv[1])
 s.create_table("t", {"h": "float16", "lb": "list<bfloat16>"})
 bits = np.array(sys.argv[2].split(","), np.uint16)
