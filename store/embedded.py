@@ -28,15 +28,14 @@ from .barrier import DEFAULT_BARRIER_TIMEOUT, check_expected, check_timeout, wei
 from .barriers import Barriers
 from .blobs import BlobStore
 from .claim_engine import ClaimEngine
-from .claims import Claim, ClaimRequest, check_lease_seconds, claim_requests
-from .errors import ExpstoreError, InvalidArgument, LeaseExpired, NotFound, \
-    StorageError, StoreClosed, TableFull
+from .claims import Claim, ClaimRequest, claim_requests
+from .errors import ExpstoreError, InvalidArgument, StorageError, StoreClosed
 from .index import StoreIndex
-from .live import Lease, LiveTable
-from .naming import check_identifier, quote
+from .live_row_limit import check_room, small_put_keys
+from .naming import check_identifier
 from .opening import check_memory_limit, connect_duckdb, ensure_catalog, run_checkpoint
-from .ops import BumpOp, CallOp, FlushOp, PutOp, ReadOp, SettleOp, SmallPutOp
-from .prepare import SMALL_ROWS, check_columns, put_timeout, put_versions, to_arrow_table
+from .ops import BumpOp, CallOp, FlushOp, PutOp, ReadOp, SmallPutOp
+from .prepare import SMALL_ROWS, check_columns, put_timeout, to_arrow_table
 from .putlog import PutLog, log_path, replay
 from .readers import Readers
 from .recovery import load_state
@@ -45,6 +44,7 @@ from .requeue import dead_row_ids, requeue_op
 from .retention import check_drop_rows, check_keep_versions
 from .schema import TableDef
 from .settings import StoreSettings
+from .settler import Settler
 from .sqlguard import check_query_options, check_select, predicate_query
 from .sql_query import run_select
 from .table_ddl import create_table_op, drop_table_op
@@ -113,6 +113,7 @@ class EmbeddedStore:
         self._barriers = Barriers(
             index, bump=lambda group, expected, weights: int(self._writer.call(
                 BumpOp(group, expected, weights))), closed=lambda: self._closed)
+        self._settler = Settler(index, self._writer, self._readers)
         if index.has_pending_row_updates():
             # The leases this open voided: written before anyone reads, so that SQL does not
             # show their rows as processing while stats and claims say they are ready.
@@ -213,33 +214,12 @@ class EmbeddedStore:
         if arrow.num_rows <= SMALL_ROWS:
             check_columns(live.tdef, arrow)
             if limit is not None and len(live.rows) + arrow.num_rows > limit:
-                self._check_room(live, self._keys_of(live, arrow), limit)
+                check_room(live, small_put_keys(arrow, self._index.version_of(live)), limit)
             return self._writer.submit(SmallPutOp(table, arrow))
         prepared = self._index.prepare(table, arrow)
         if limit is not None and len(live.rows) + prepared.rows > limit:
-            self._check_room(live, prepared.keys, limit)
+            check_room(live, prepared.keys, limit)
         return self._writer.submit(PutOp(prepared))
-
-    def _keys_of(self, live: LiveTable, arrow: pa.Table) -> list[tuple[Any, Any]]:
-        """A small put's (sample id, policy version) keys, before the writer prepares it."""
-        versions = put_versions(arrow, self._index.version_of(live))
-        return list(zip(arrow.column("sample_id").to_pylist(), versions.to_pylist()))
-
-    def _check_room(self, live: LiveTable, keys: list[tuple[Any, Any]], limit: int) -> None:
-        """Refuse a put that would take a table past ``max_live_rows``; rows it only updates
-        (a reward written to a pending row) take no room.
-
-        Checked before the put is queued, not under the writer: puts checked at once may
-        overshoot the limit by their rows; a put refused here costs the writer nothing.
-        """
-        rows = live.rows
-        new = sum(1 for key in set(keys) if key not in rows)
-        if new and len(rows) + new > limit:
-            raise TableFull(
-                f"table {live.tdef.name!r} holds {len(rows):,} live rows (pending, ready or "
-                f"being processed) and this put would add {new:,}, over the store's "
-                f"max_live_rows of {limit:,}; retry once consumers have acked rows (or a version "
-                "bump has made old ones stale)")
 
     # -- claims --------------------------------------------------------------------------------
     def claim(self, table: str, limit: int, *, where: str | None = None,
@@ -308,11 +288,11 @@ class EmbeddedStore:
             LeaseExpired: the lease ended (expired, nacked or revoked) before this ack.
             NotFound: the claim id was never issued.
         """
-        return self._settle(claim_id, ack=True)
+        return self._settler.settle(claim_id, ack=True)
 
     def nack(self, claim_id: str) -> dict[str, Any]:
         """Give a claim's rows back: ready again (delivery count kept), or dead past the max."""
-        return self._settle(claim_id, ack=False)
+        return self._settler.settle(claim_id, ack=False)
 
     def dead_letter(self, claim_id: str) -> dict[str, Any]:
         """End a claim with every row dead-lettered: kept for SQL, never delivered again.
@@ -322,7 +302,7 @@ class EmbeddedStore:
         return (see flight_server/coordinator.py).
         """
         with self._index.dead_lettering(claim_id):
-            answer = self._settle(claim_id, ack=False)
+            answer = self._settler.settle(claim_id, ack=False)
         return {"claim_id": claim_id, "dead": answer["nacked"]}
 
     def ack_async(self, claim_id: str) -> Future:
@@ -331,52 +311,11 @@ class EmbeddedStore:
         What :meth:`ack` would raise at once (an unknown or ended claim) is raised here too; a
         failed commit comes from the Future, and the claim stays leased as it was.
         """
-        return self._settle_async(claim_id, ack=True)
+        return self._settler.settle_async(claim_id, ack=True)
 
     def nack_async(self, claim_id: str) -> Future:
         """:meth:`nack` without waiting (see :meth:`ack_async`)."""
-        return self._settle_async(claim_id, ack=False)
-
-    def _settle(self, claim_id: str, ack: bool) -> dict[str, Any]:
-        return self._settle_async(claim_id, ack).result()
-
-    def _settle_async(self, claim_id: str, ack: bool) -> Future:
-        _check_claim_id(claim_id)
-        verb = "ack" if ack else "nack"
-        with self._index.lock:
-            lease = self._index.active_lease(claim_id)
-            if lease is None:
-                recently_acked = self._index.recently_acked(claim_id)
-                if ack and recently_acked is not None:
-                    return _done({"claim_id": claim_id, "acked": recently_acked,
-                                  "duplicate": True})
-                self._raise_if_ended(claim_id, verb)
-            elif lease.state == Lease.SETTLING:
-                return self._index.settling[claim_id]
-            else:
-                lease.state = Lease.SETTLING
-                # The caller's Future resolves only after a failed commit has put the lease
-                # back, so that a retry finds it leased, not still settling.
-                answer: Future = Future()
-                self._index.settling[claim_id] = answer
-                self._writer.submit(SettleOp(lease, ack)).add_done_callback(
-                    lambda done: self._settle_done(lease, done, answer))
-                return answer
-        acked = self._acked_before(claim_id) if ack else 0
-        if acked:
-            return _done({"claim_id": claim_id, "acked": acked, "duplicate": True})
-        raise _unknown_claim(claim_id)
-
-    def _raise_if_ended(self, claim_id: str, verb: str) -> None:
-        """LeaseExpired, saying how, if claim ``claim_id`` ended recently (lock held): acked,
-        nacked, expired, or voided by a restart; ``verb`` is what was asked of it ("nack",
-        "renew", or "ack", whose caller answers a repeated ack before asking)."""
-        if self._index.recently_acked(claim_id) is not None:
-            raise LeaseExpired(f"claim {claim_id!r} was already acked; it cannot be "
-                               f"{verb}ed")
-        why = self._index.why_ended(claim_id)
-        if why is not None:
-            raise LeaseExpired(f"claim {claim_id!r} ended before this {verb}: {why}")
+        return self._settler.settle_async(claim_id, ack=False)
 
     def renew(self, claim_id: str, *, lease_seconds: float | None = None) -> dict[str, Any]:
         """Extend an active claim's lease to ``lease_seconds`` from now (None: the longest
@@ -391,42 +330,7 @@ class EmbeddedStore:
             NotFound: the claim id was never issued, or was voided by a restart.
             InvalidArgument: a malformed claim id or ``lease_seconds``.
         """
-        _check_claim_id(claim_id)
-        check_lease_seconds(lease_seconds)
-        with self._index.lock:
-            lease = self._index.active_lease(claim_id)
-            if lease is None:
-                self._raise_if_ended(claim_id, "renew")
-                raise _unknown_claim(claim_id)
-            if lease.state == Lease.SETTLING:
-                raise LeaseExpired(f"claim {claim_id!r} is being acked or nacked; a claim that "
-                                   "is ending cannot be renewed")
-            expires_at = self._index.renew(lease, lease_seconds)
-        self._writer.poke()
-        return {"claim_id": claim_id, "expires_at": expires_at}
-
-    def _settle_done(self, lease: Lease, done: Future, answer: Future) -> None:
-        """Hand the writer's outcome on; a failed commit leaves the claim leased as before."""
-        error = done.exception()
-        if error is None:
-            answer.set_result(done.result())
-            return
-        with self._index.lock:
-            if lease.state == Lease.SETTLING and self._index.claims.get(lease.claim_id) is lease:
-                lease.state = Lease.ACTIVE
-            self._index.settling.pop(lease.claim_id, None)
-        answer.set_exception(error)
-
-    def _acked_before(self, claim_id: str) -> int:
-        """Rows a claim consumed before a restart (acks record the claim id on the rows)."""
-        total = 0
-        for name in self.list_tables():
-            # fetchall: a result left unfinished would refuse the cursor's next statement
-            rows = self._readers.cursor().execute(
-                f"SELECT count(*) FROM {quote(name)} WHERE lease_id = ? AND consumed",
-                [claim_id]).fetchall()
-            total += int(rows[0][0]) if rows else 0
-        return total
+        return self._settler.renew(claim_id, lease_seconds)
 
     # -- versions ---------------------------------------------------------------------------------
     def get_version(self, table: str) -> int:
@@ -700,24 +604,6 @@ class EmbeddedStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_claim_id(claim_id: object) -> None:
-    if not isinstance(claim_id, str) or not claim_id:
-        raise InvalidArgument(f"claim id {claim_id!r} is not a non-empty string")
-
-
-def _unknown_claim(claim_id: str) -> NotFound:
-    return NotFound(f"claim {claim_id!r} is unknown: it was never issued, its table was "
-                    "dropped, or it was taken before a restart, which voids every lease (its "
-                    "rows are ready to be delivered again)")
-
-
-def _done(result: Any) -> Future:
-    """A Future that already holds ``result`` (an answer known without the writer)."""
-    future: Future = Future()
-    future.set_result(result)
-    return future
 
 
 __all__ = ["EmbeddedStore", "ExpstoreError", "StorageError"]

@@ -2,6 +2,9 @@
 
 Each function runs a change's statements (or, in a group going to the put log, records them; see
 :func:`record`) and queues its effect on the in-memory index for after the commit.
+
+The caller's side of an ack or nack (the checks that answer at once, the Future it waits on) is
+store/settler.py.
 """
 from __future__ import annotations
 

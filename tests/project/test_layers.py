@@ -51,10 +51,12 @@ STORE_LAYERS = {
     "store.op_groups": WRITER_READS,
     "store.readers": WRITER_READS, "store.claim_engine": WRITER_READS,
     "store.barriers": WRITER_READS, "store.requeue": WRITER_READS,
-    # what the facade hands on: table DDL, versions, SQL reads, reports, maintenance
+    # what the facade hands on: table DDL, versions, SQL reads, reports, maintenance, settling
+    # and renewing claims, the live-row limit of a put
     "store.table_ddl": WRITER_READS, "store.versions": WRITER_READS,
     "store.sql_query": WRITER_READS, "store.reports": WRITER_READS,
-    "store.maintenance": WRITER_READS,
+    "store.maintenance": WRITER_READS, "store.settler": WRITER_READS,
+    "store.live_row_limit": WRITER_READS,
     # the facade and what is built on it
     "store.embedded": FACADE, "store.subscription": FACADE, "store": FACADE,
 }
