@@ -18,6 +18,7 @@ import pyarrow.flight as flight
 import pytest
 
 import store
+import flight_server.cluster.client as cluster_client
 from flight_server.cluster.client import ClusterStore
 from flight_server.cluster.coordinator import CoordinatorServer
 from flight_server.cluster.datanode import DataNodeServer
@@ -337,8 +338,15 @@ def _directory(s: ClusterStore, refresh: bool = False) -> dict[str, dict[str, An
     return {n["node_id"]: n for n in s.cluster(refresh=refresh)["nodes"]}
 
 
+@pytest.fixture
+def directory_kept(monkeypatch) -> None:
+    """The client keeps its list of data nodes for the whole test (5 s by default, which a
+    node's restart on a loaded machine can outlast): the list is then surely stale."""
+    monkeypatch.setattr(cluster_client, "DIRECTORY_SECONDS", 600.0)
+
+
 def test_a_claim_while_the_directory_still_says_a_returned_node_is_lost_costs_no_delivery(
-        cluster):
+        cluster, directory_kept):
     """The client caches the coordinator's list of data nodes for a few seconds. A claim made
     while that list still calls a node lost that has registered again asks the coordinator
     again and fetches from the node: its rows are not given back (with one delivery allowed,
@@ -365,7 +373,7 @@ def test_a_claim_while_the_directory_still_says_a_returned_node_is_lost_costs_no
 
 
 def test_a_claim_while_the_directory_still_has_a_nodes_old_location_costs_no_delivery(
-        tmp_path):
+        tmp_path, directory_kept):
     """A data node restarted on a new port before the coordinator missed it: the client's
     cached list still has the old location, where the fetch fails; the client asks the
     coordinator again and fetches from the new one, without giving the rows back."""
