@@ -147,8 +147,7 @@ class EmbeddedStore:
         return bool(self._writer.call(drop_table_op(self._index, name, if_exists)))
 
     def list_tables(self) -> list[str]:
-        with self._index.lock:
-            return sorted(self._index.live)
+        return self._index.table_names()
 
     def describe(self, name: str) -> dict[str, Any]:
         """A table's definition, current version and published weights."""

@@ -23,6 +23,7 @@ every float16 and bfloat16 value is a float32 value.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -60,13 +61,20 @@ class BFloat16Type(pa.ExtensionType):
         bfloat16 column reaches pandas (``to_pandas()``). Lists and tensors of bfloat16 reach
         pandas through Arrow's own conversion, as patterns: widen them first
         (:func:`widened`)."""
-        import pandas as pd  # only for a caller converting to pandas
+        return _pandas_dtype()()
 
-        class BFloat16AsFloat32(pd.Float32Dtype):
-            def __from_arrow__(self, array: pa.Array | pa.ChunkedArray) -> object:
-                return pd.Float32Dtype().__from_arrow__(widened(array))
 
-        return BFloat16AsFloat32()
+@functools.cache
+def _pandas_dtype() -> type:
+    """pandas' ``Float32`` dtype filled from widened bfloat16 values (made once, on the first
+    conversion: the store imports pandas only for a caller converting to it)."""
+    import pandas as pd
+
+    class BFloat16AsFloat32(pd.Float32Dtype):
+        def __from_arrow__(self, array: pa.Array | pa.ChunkedArray) -> object:
+            return pd.Float32Dtype().__from_arrow__(widened(array))
+
+    return BFloat16AsFloat32
 
 
 class BFloat16Scalar(pa.ExtensionScalar):

@@ -113,10 +113,8 @@ class Settler:
 
     def _acked_before(self, claim_id: str) -> int:
         """Rows a claim consumed before a restart (acks record the claim id on the rows)."""
-        with self._index.lock:
-            names = sorted(self._index.live)
         total = 0
-        for name in names:
+        for name in self._index.table_names():
             # fetchall: a result left unfinished would refuse the cursor's next statement
             rows = self._readers.cursor().execute(
                 f"SELECT count(*) FROM {quote(name)} WHERE lease_id = ? AND consumed",
