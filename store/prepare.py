@@ -195,11 +195,11 @@ def _python_values(name: str, values: list[Any], target: pa.DataType) -> pa.Arra
 def _unknown_column(tdef: TableDef, name: str) -> None:
     if name in META_NAMES:
         raise SchemaMismatch(f"column {name!r} is a meta column the store sets; a write may "
-                             f"carry only {sorted(WRITABLE_META)} of the meta columns")
+                             f"carry only {', '.join(sorted(WRITABLE_META))} of the meta columns")
     raise SchemaMismatch(
         f"table {tdef.name!r} has no column {name!r}; writable columns: sample_id, "
-        f"policy_version, finished_version, {[c.name for c in tdef.columns]} and their "
-        f"'_status' columns")
+        f"policy_version, finished_version, {', '.join(c.name for c in tdef.columns)} and "
+        f"their '_status' columns")
 
 
 def check_columns(tdef: TableDef, table: pa.Table) -> list[str]:

@@ -124,8 +124,8 @@ def _checked_select(sql: str) -> None:
                            "SELECT")
     kind = statements[0].type
     if kind != duckdb.StatementType.SELECT:
-        raise QueryRefused(f"{kind.name} statements are refused: the query path is read-only "
-                           "and takes one SELECT")
+        raise QueryRefused(f"{statements[0].query.strip()[:80]!r} is a {kind.name} statement, "
+                           "refused: the query path is read-only and takes one SELECT")
     for name, where in _functions(sql):
         if where == "statement":
             raise QueryRefused(f"a data-modifying {name.removesuffix('_QUERY_NODE')} inside the "

@@ -262,7 +262,8 @@ def test_put_input_forms(any_store):
 
 
 @pytest.mark.parametrize("write, bad", [
-    ({"sample_id": ["a_0_0"], "nope": [1]}, "'nope'"),
+    ({"sample_id": ["a_0_0"], "nope": [1]}, "'nope'; writable columns: sample_id, policy_version, "
+                                            "finished_version, prompt, response, reward and"),
     ({"sample_id": ["a_0_0"], "consumed": [True]}, "'consumed'"),
     ({"sample_id": ["a_0_0"], "row_id": [5]}, "'row_id'"),
     ({"reward": [1.0]}, "'sample_id'"),
