@@ -40,7 +40,8 @@ def check_wait(timeout: object, what: str) -> float | None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or not math.isfinite(timeout) or timeout < 0:
-        raise InvalidArgument(f"{what} timeout {timeout!r} is invalid; expected None (wait as "
+        name = what if what.endswith("timeout") else f"{what} timeout"  # a parameter's name
+        raise InvalidArgument(f"{name} {timeout!r} is invalid; expected None (wait as "
                               "long as it takes) or a finite number of seconds ≥ 0 (0: do not "
                               "wait)")
     return float(timeout)
