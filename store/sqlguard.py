@@ -124,7 +124,7 @@ def _checked_select(sql: str) -> None:
                            "SELECT")
     kind = statements[0].type
     if kind != duckdb.StatementType.SELECT:
-        raise QueryRefused(f"{statements[0].query.strip()[:80]!r} is a {kind.name} statement, "
+        raise QueryRefused(f"{statements[0].query.strip()[:80]!r} ({kind.name} statement) is "
                            "refused: the query path is read-only and takes one SELECT")
     for name, where in _functions(sql):
         if where == "statement":

@@ -48,7 +48,7 @@ REFUSED = [
     ("DETACH x", "DETACH"),
     ("COPY t TO 'x.csv'", "COPY"),
     ("EXPORT DATABASE 'dir'", "EXPORT"),
-    ("INSTALL httpfs", "'INSTALL httpfs' is a LOAD statement"),  # as DuckDB parses it
+    ("INSTALL httpfs", "'INSTALL httpfs' (LOAD statement)"),  # as DuckDB parses it
     ("LOAD httpfs", "LOAD"),
     ("SET threads = 1", "SET"),
     ("PRAGMA threads = 1", None),
