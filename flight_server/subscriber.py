@@ -377,9 +377,12 @@ def _stream_error(error: BaseException) -> ExpstoreError:
     one, else Unavailable (the connection dropped: the server stopped or died)."""
     translated = from_flight(error)
     if not isinstance(translated, ExpstoreError) or type(translated) is ExpstoreError or \
-            isinstance(translated, InvalidArgument):
-        return Unavailable(f"the subscription stream broke: {translated}; subscribe again once "
-                           "the server is back")
+            isinstance(translated, (InvalidArgument, Unavailable)):
+        # (gRPC's own words, e.g. "Stream removed (Socket closed)", say neither what broke
+        # nor what to do)
+        return Unavailable(f"the subscription stream broke (the server stopped or the "
+                           f"connection dropped): {translated}; its micro-batches not acked "
+                           "are delivered again: subscribe again once the server is back")
     return translated
 
 

@@ -84,7 +84,10 @@ def test_acks_after_the_server_stopped_fail_at_once_with_unavailable(tmp_path, h
             assert srv.stop() == 0
         else:
             srv.kill()
-        assert isinstance(_outcome(first.ack), store.Unavailable)
+        error = _outcome(first.ack)
+        assert isinstance(error, store.Unavailable), repr(error)
+        # says what broke and what to do, not only gRPC's "Stream removed (Socket closed)"
+        assert "subscribe again once" in str(error), str(error)
         pending = PendingAcks()
         pending.send(second)
         assert isinstance(_outcome(pending.settle), store.Unavailable)
