@@ -116,6 +116,18 @@ class ExchangeSession:
             # It ends when the client finishes its side or the call is cancelled.
             while thread.is_alive():
                 thread.join(1.0)
+            self._let_go_of_stream()
+
+    def _let_go_of_stream(self) -> None:
+        """Drop our references to the call's reader and writer before the handler returns.
+
+        An ack's Future holds this session (its done-callback, :meth:`_settled`) until the
+        store's writer has committed it, which can be after the handler returned: when the
+        server stops, or when the client went away with acks in flight. Whoever drops the last
+        reference to the session would then destroy the call's reader and writer after the
+        call was freed, and corrupt the heap (see ActionSession._let_go_of_stream). Only this
+        handler's thread writes to the stream, and it is done."""
+        self._reader = self._writer = None  # type: ignore[assignment]
 
     def _say_closing(self) -> None:
         """The server is shutting down: ask the client to end its side of the stream (our
