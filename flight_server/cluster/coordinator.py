@@ -48,8 +48,8 @@ from .. import wire
 from ..actions import ACTIONS
 from ..errors import flight_errors, from_flight, to_flight
 from ..server import ExpstoreFlightServer
-from .locations import (Holder, check_node_id, chunk_location, degraded_predicate,
-                        holder_segments_sql, lost_predicate, parse_holder, parse_key)
+from .locations import check_node_id, holder_segments_sql, lost_predicate, parse_key
+from .repair import restore_column
 from .security import ClusterSecurity
 
 log = logging.getLogger(__name__)
@@ -456,70 +456,11 @@ class CoordinatorServer(ExpstoreFlightServer):
                 if table not in self.store.list_tables():
                     continue
                 for column in columns:
-                    left += self._restore_column(table, column, lost, live)
+                    column_left, restored = restore_column(
+                        self.store, self._node_action, table, column, lost, live)
+                    left += column_left
+                    self.cluster_counters["replicas_restored"] += restored
         self.cluster_counters["under_replicated"] = left
-        return left
-
-    def _restore_column(self, table: str, column: str, lost: list[str],
-                        live: dict[str, str]) -> int:
-        status = f"{column}_status"      # written back as it is: a streamed value stays open
-        rows = self.store.query(
-            f'SELECT sample_id, policy_version, finished_version, "{status}", "{column}" '
-            f'FROM "{table}" WHERE NOT consumed AND NOT stale AND NOT dead AND '
-            f"{degraded_predicate(column, lost)}")
-        if rows.num_rows == 0:
-            return 0
-        keys = rows.column(column).to_pylist()
-        locations = sorted({k.rpartition("/")[0] for k in keys})
-        plan: dict[tuple[str, str], list[tuple[str, Holder]]] = {}
-        left = 0
-        for location in locations:
-            holders = parse_key(f"{location}/0")[0]
-            source = next((h for h in holders if h.node in live), None)
-            if source is None:           # the other holder is not registered (any more)
-                left += 1
-                continue
-            named = {h.node for h in holders}
-            target = next((n for n in _ring_after(source.node, sorted(live)) if n not in named),
-                          None)
-            if target is None:
-                left += 1
-                continue
-            plan.setdefault((source.node, target), []).append((location, source))
-        moved: dict[str, str] = {}
-        for (source_node, target), items in plan.items():
-            try:
-                copies = self._node_action(live[source_node], "copy_chunks", {
-                    "chunks": [h.chunk for _, h in items], "to": live[target]})["copies"]
-            except ExpstoreError as e:
-                log.warning("copying %d chunk(s) from %s to %s failed: %s", len(items),
-                            source_node, target, e)
-                left += len(items)
-                continue
-            for location, holder in items:
-                moved[location] = chunk_location([holder, parse_holder(copies[holder.chunk])])
-        if not moved:
-            return left
-        new_keys, keep = [], []
-        for i, key in enumerate(keys):
-            location, _, row = key.rpartition("/")
-            if location in moved:
-                new_keys.append(f"{moved[location]}/{row}")
-                keep.append(i)
-        kept = rows.take(keep)
-        update = pa.table({"sample_id": kept.column("sample_id"),
-                           "policy_version": kept.column("policy_version"),
-                           "finished_version": kept.column("finished_version"),
-                           status: kept.column(status),
-                           column: pa.array(new_keys, pa.large_string())})
-        try:
-            self.store.put(table, update)
-        except ExpstoreError as e:          # e.g. a bump staled some rows meanwhile
-            log.warning("pointing %d row(s) of %s.%s at their new copies failed: %s",
-                        update.num_rows, table, column, e)
-            return left + len(moved)
-        self.cluster_counters["replicas_restored"] += len(moved)
-        log.info("restored a second copy of %d chunk(s) of %s.%s", len(moved), table, column)
         return left
 
     # -- garbage collection on the data nodes ----------------------------------------------------
@@ -605,11 +546,6 @@ class CoordinatorServer(ExpstoreFlightServer):
         if self._monitor is not threading.current_thread():
             self._monitor.join(MONITOR_STOP_SECONDS)
         super().close()
-
-
-def _ring_after(node: str, nodes: list[str]) -> list[str]:
-    """``nodes`` (sorted) in ring order starting after ``node``: copies spread over the nodes."""
-    return [n for n in nodes if n > node] + [n for n in nodes if n <= node]
 
 
 _CLUSTER_ACTIONS: dict[str, tuple[str, str]] = {
