@@ -20,6 +20,7 @@ from store.sqlguard import check_query_options, check_sql_text
 from store.errors import ExpstoreError, InvalidArgument, QueryTimeout, StoreClosed, Unavailable
 from store.prepare import NO_ROWS, put_timeout, to_arrow_table
 from store.schema import TableDef, check_column_mapping
+from store.types import empty_table
 from store.waits import check_wait
 
 from . import wire
@@ -386,7 +387,7 @@ class RemoteStore:
     def _empty_claim(self, claim: Claim, requests: list[ClaimRequest]) -> Claim:
         """Nothing was claimed: the answer carries no stream, so the empty tables come from the
         claim schemas this client knows (as an embedded store's empty claim has them)."""
-        claim.tables = {r.table: self.claim_schema(r.table).empty_table() for r in requests}
+        claim.tables = {r.table: empty_table(self.claim_schema(r.table)) for r in requests}
         return claim
 
     def ack(self, claim_id: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ import pyarrow.flight as flight
 from store.embedded import EmbeddedStore
 from store.errors import ExpstoreError, InvalidArgument, Unavailable
 from store.subscription import MicroBatch, Subscription
+from store.types import empty_table
 
 from . import wire
 from .auth import Principal
@@ -278,6 +279,6 @@ class ExchangeSession:
             record = multi_batch(batch.tables)
         else:
             data = batch.data
-            record = (data.combine_chunks().to_batches()[0] if data.num_rows
-                      else pa.RecordBatch.from_pylist([], schema=data.schema))
+            record = (data.combine_chunks() if data.num_rows
+                      else empty_table(data.schema)).to_batches()[0]
         self._writer.write_with_metadata(record, meta.encode())

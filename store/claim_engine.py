@@ -30,7 +30,7 @@ from .schema import TableDef
 from .settings import StoreSettings
 from .sqlguard import predicate_query
 from .table_memo import TableMemo
-from .types import one_array
+from .types import empty_table, one_array
 
 #: Predicates remembered as bound (see ClaimEngine._matching); past this many, forgotten.
 MAX_BOUND_PREDICATES = 1024
@@ -117,7 +117,7 @@ class ClaimEngine:
                         live.give_back(rows)
             if len(picks) < len(requests):
                 return Claim("", owner, 0.0, {
-                    live.tdef.name: live.tdef.claim_schema().empty_table() for live in lives})
+                    live.tdef.name: empty_table(live.tdef.claim_schema()) for live in lives})
             self._index.register(lease, list(zip(lives, picks)))
         self._poke()
         try:

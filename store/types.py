@@ -141,6 +141,16 @@ def constant_bools(value: bool, n: int) -> pa.BooleanArray:
     return _BOOLS[value].slice(0, n) if n <= 1024 else pa.array(np.full(n, value))
 
 
+def empty_table(schema: pa.Schema) -> pa.Table:
+    """A table of no rows with ``schema`` (one empty record batch).
+
+    Why not ``schema.empty_table()``: pyarrow 26 builds its columns with ``pa.array([])``, which
+    raises ArrowNotImplementedError for an extension type inside a list or struct, as a
+    ``list<bfloat16>`` or ``tensor<bfloat16>`` column is; ``pa.nulls(0, type)`` builds any."""
+    return pa.Table.from_batches(
+        [pa.RecordBatch.from_arrays([pa.nulls(0, f.type) for f in schema], schema=schema)])
+
+
 def one_array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
     """A column as one Array, without a copy when it already is one chunk.
 
