@@ -10,7 +10,8 @@ same bytes in the same run; TransferQueue's workload and micro-batch flow throug
 * a micro-batch of 16, fetch and settle (the ack waited durable), narrow and wide, plain and in
   groups of 8 (TransferQueue's get_meta + get_data is its counterpart): a trainer's loop in
   which each claim carries the ack of the micro-batch before it (one request, answered once that
-  ack is durable), and as two calls, ``claim`` then ``ack``.
+  ack is durable), as two calls, ``claim`` then ``ack``, and through a subscription (each
+  micro-batch pushed ahead, ``next`` then a waited ``ack``: the trainer's consumer).
 
 "Raw Flight" is the trivial in-memory server of bench/flight_raw.py serving the very tables the
 claims (or the query) returned, one ``do_get`` per claim, each right after the claim (or query)
@@ -193,6 +194,29 @@ def carried_acks(s: Any, table: str, n: int, size: int, group: bool,
     return took
 
 
+def subscription_micro_batches(s: Any, table: str, n: int, size: int, group: bool,
+                               budget_s: float) -> list[float]:
+    """Durations (s) of a trainer's loop over a subscription, the consumer the README gives
+    trainers: ``next()`` (a micro-batch the server pushed ahead, up to its default
+    ``max_in_flight`` of 2), then ``ack()`` waited durable."""
+    kw: dict[str, Any] = {"group_by": "input_id", "group_size": GROUP} if group else {}
+    # one global batch for the whole loop: no boundary (and so no bump) in it
+    sub = s.subscribe(table, micro_batch_size=size, global_batch_size=size * (n + 16),
+                      consumer="bench-sub", **kw)
+
+    def step() -> None:
+        mb = sub.next(timeout=30)
+        if mb is None or mb.data.num_rows != size:
+            raise RuntimeError(f"subscription gave {mb and mb.data.num_rows} rows, not {size}; "
+                               "table too small?")
+        mb.ack()
+
+    try:
+        return run_for(step, budget_s, n, warmup=5)
+    finally:
+        sub.close()
+
+
 def micro_batch_table(s: Any, table: str, kind: str, rows: int) -> None:
     """Create ``table`` with ``rows`` ready rows, ``kind`` "narrow" or "wide" (the micro-batch
     benchmarks' tables; scripts/ab_microbatch.py makes the same)."""
@@ -214,9 +238,10 @@ def _micro_batches(ctx: Ctx, s: Any) -> None:
     for kind in ("narrow", "wide"):
         for group in (False, True):
             table = expstore_server.table_name(f"mb_{kind}")
-            micro_batch_table(s, table, kind, 16 * (3 * n + 45))
+            micro_batch_table(s, table, kind, 16 * (4 * n + 70))
             pairs = claim_latencies(s, table, n, 16, group, budget)[1]
             carried = carried_acks(s, table, n, 16, group, budget)
+            pushed = subscription_micro_batches(s, table, n, 16, group, budget)
             tag = f"mb16_{kind}" + ("_group" if group else "")
             what = f"micro-batch of 16 {kind}" + (", groups of 8" if group else "")
             p50, p99 = percentiles_ms(carried)
@@ -226,6 +251,10 @@ def _micro_batches(ctx: Ctx, s: Any) -> None:
             p50, p99 = percentiles_ms(pairs)
             ctx.record(f"{tag}_two_calls_p50_ms", p50, "ms", "  … as claim, then waited ack, p50")
             ctx.record(f"{tag}_two_calls_p99_ms", p99, "ms", "  … p99")
+            p50, p99 = percentiles_ms(pushed)
+            ctx.record(f"{tag}_subscription_p50_ms", p50, "ms",
+                       "  … through a subscription (pushed ahead): next, then waited ack, p50")
+            ctx.record(f"{tag}_subscription_p99_ms", p99, "ms", "  … p99")
             s.drop_table(table)
 
 
