@@ -315,7 +315,7 @@ def collate(
             raise ValueError(f"{cols.logprobs!r} has {lp_lengths[i]} entries for {_sample_name(table, cols, i)}; "
                              f"expected {lengths[i]} (every token) or {lengths[i] - prompt_len[i]} (response only)")
         shift = np.where(full, 0, prompt_len)
-        lp_starts = np.concatenate([[0], np.cumsum(lp_lengths)[:-1]]).astype(np.int64)
+        lp_starts = np.cumsum(lp_lengths) - lp_lengths  # (no rows: none)
         dest = np.repeat(starts + shift, lp_lengths) + (np.arange(int(lp_lengths.sum())) - np.repeat(lp_starts, lp_lengths))
         flat_logprobs = np.zeros(total, np.float64)
         flat_logprobs[dest] = lp_values

@@ -44,6 +44,17 @@ def test_padded_layout(large: bool) -> None:
     assert not b.packed and b.num_samples == 4
 
 
+@pytest.mark.parametrize("pack_length", [None, 8])
+def test_a_micro_batch_of_no_rows_collates_to_empty_tensors(pack_length) -> None:
+    """A claim that found nothing ready has no rows; its table has every column. It collates
+    to tensors of no samples (it raised a numpy broadcast error where logprobs were present)."""
+    b = collate(_table().slice(0, 0), pack_length=pack_length)
+    assert b.num_samples == 0 and b.num_loss_tokens == 0
+    assert b.input_ids.shape == (0, pack_length or 0)
+    assert b.old_logprobs is not None and b.old_logprobs.shape == b.input_ids.shape
+    assert b.rewards is not None and b.rewards.shape == (0,)
+
+
 def test_groups_and_advantages() -> None:
     t = pa.table({"token_ids": [[1, 2]] * 5, "input_id": ["q2", "q1", "q2", "q1", "q2"],
                   "reward": [1.0, 3.0, 2.0, 5.0, 6.0]})
