@@ -71,9 +71,9 @@ def read_by_claims(s: Any, table: str, size: int, raw: flight.FlightClient, tag:
     Raw Flight serves each table for the first time :data:`RAW_LAG` claims after it was put
     (as a claim serves rows stored earlier, for the first time: the targets' baseline); once
     every claim is made, it serves each again, warm (right after serving it once more,
-    untimed), not paired: more calls between the claims made them slower. The warm serve was
-    2-17 % faster than the first on a quiet machine (tables of 16 and 64 rows, 4 alternated
-    rounds, 2026-11-27), up to 36 % in the benchmark: its data is still in the CPU's caches."""
+    untimed), not paired: more calls between the claims made them slower. First serves ran at
+    0.83-0.98x the warm ones' MB/s on a quiet machine (tables of 16 and 64 rows, 4 alternated
+    rounds, 2026-11-27), 0.63-1.0x in a full benchmark run (BENCHMARKS.md)."""
     took: list[float] = []
     first: list[float] = []
     warm: list[float] = []
