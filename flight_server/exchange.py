@@ -27,7 +27,6 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.flight as flight
 
 from store.embedded import EmbeddedStore
