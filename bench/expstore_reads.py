@@ -76,7 +76,6 @@ def read_by_claims(s: Any, table: str, size: int, raw: flight.FlightClient, tag:
     rounds, 2026-11-27), 0.63-1.0x in a full benchmark run (BENCHMARKS.md)."""
     took: list[float] = []
     first: list[float] = []
-    warm: list[float] = []
     got: list[pa.Table] = []
     ids: list[str] = []
     waiting: collections.deque[str] = collections.deque()   # put to raw Flight, not served
@@ -102,21 +101,21 @@ def read_by_claims(s: Any, table: str, size: int, raw: flight.FlightClient, tag:
             serve_first(waiting.popleft())
     while waiting:
         serve_first(waiting.popleft())
-    for i in range(len(got)):
-        ticket = flight.Ticket(f"{tag}-{i + 1}".encode())
-        raw.do_get(ticket).read_all()
-        t0 = time.perf_counter()
-        raw.do_get(ticket).read_all()
-        warm.append(time.perf_counter() - t0)
+    warm = [warm_serve(raw, f"{tag}-{i + 1}") for i in range(len(got))]
     for future in [s.ack_async(i) for i in ids]:
         future.result(60)
     return took, first, warm, got
 
 
 def raw_get(client: flight.FlightClient, table: pa.Table, name: str) -> float:
-    """Seconds raw Flight takes to serve ``table`` in one do_get, warm: put to it and served
-    once before, untimed."""
+    """Seconds raw Flight takes to serve ``table`` in one do_get, warm (:func:`warm_serve`)."""
     put_stream(client, name, table)
+    return warm_serve(client, name)
+
+
+def warm_serve(client: flight.FlightClient, name: str) -> float:
+    """Seconds raw Flight takes to serve the table it holds as ``name``, right after serving
+    it once, untimed."""
     ticket = flight.Ticket(name.encode())
     client.do_get(ticket).read_all()
     t0 = time.perf_counter()
@@ -285,17 +284,14 @@ def _micro_batches(ctx: Ctx, s: Any) -> None:
             pushed = subscription_micro_batches(s, table, n, 16, group, budget)
             tag = f"mb16_{kind}" + ("_group" if group else "")
             what = f"micro-batch of 16 {kind}" + (", groups of 8" if group else "")
-            p50, p99 = percentiles_ms(carried)
-            ctx.record(f"{tag}_p50_ms", p50, "ms",
-                       f"{what}: claim carrying the last ack (durable) p50")
-            ctx.record(f"{tag}_p99_ms", p99, "ms", "  … p99")
-            p50, p99 = percentiles_ms(pairs)
-            ctx.record(f"{tag}_two_calls_p50_ms", p50, "ms", "  … as claim, then waited ack, p50")
-            ctx.record(f"{tag}_two_calls_p99_ms", p99, "ms", "  … p99")
-            p50, p99 = percentiles_ms(pushed)
-            ctx.record(f"{tag}_subscription_p50_ms", p50, "ms",
-                       "  … through a subscription (pushed ahead): next, then waited ack, p50")
-            ctx.record(f"{tag}_subscription_p99_ms", p99, "ms", "  … p99")
+            for suffix, took, label in (
+                    ("", carried, f"{what}: claim carrying the last ack (durable)"),
+                    ("_two_calls", pairs, "  … as claim, then waited ack,"),
+                    ("_subscription", pushed,
+                     "  … through a subscription (pushed ahead): next, then waited ack,")):
+                p50, p99 = percentiles_ms(took)
+                ctx.record(f"{tag}{suffix}_p50_ms", p50, "ms", f"{label} p50")
+                ctx.record(f"{tag}{suffix}_p99_ms", p99, "ms", "  … p99")
             s.drop_table(table)
 
 

@@ -32,7 +32,6 @@ import pyarrow.flight as flight
 from store.embedded import EmbeddedStore
 from store.errors import ExpstoreError, InvalidArgument, Unavailable
 from store.subscription import MicroBatch, Subscription
-from store.types import empty_table
 
 from . import wire
 from .auth import Principal
@@ -277,7 +276,6 @@ class ExchangeSession:
         if multi:
             record = multi_batch(batch.tables)
         else:
-            data = batch.data
-            record = (data.combine_chunks() if data.num_rows
-                      else empty_table(data.schema)).to_batches()[0]
+            # (never empty: a subscription's claim takes at least micro_batch_size rows)
+            record = batch.data.combine_chunks().to_batches()[0]
         self._writer.write_with_metadata(record, meta.encode())

@@ -42,10 +42,11 @@ def to_arrow(arrays: Sequence[Any], dtype: str | np.dtype | pa.DataType | None =
     for a, flat in zip(hosts, flats):
         if flat is None:
             shapes.append(None)
+            offsets.append(offsets[-1])
         else:
             shapes.append(shape_of(a))
             datas.append(_elements(a, flat, element))
-        offsets.append(offsets[-1] + (len(datas[-1]) if flat is not None else 0))
+            offsets.append(offsets[-1] + len(datas[-1]))
     nulls = np.array([a is None for a in hosts], bool)
     mask = pa.array(nulls) if nulls.any() else None
     values = pa.concat_arrays(datas) if datas else pa.array([], element)
